@@ -1,0 +1,17 @@
+"""asgi-cancel: stop an ASGI app's work the moment its HTTP client disconnects."""
+
+from __future__ import annotations
+
+from ._middleware import CancelOnDisconnectMiddleware as CancelOnDisconnectMiddleware
+from ._token import CancelToken as CancelToken
+from ._token import current_token as current_token
+from ._token import shield as shield
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "CancelOnDisconnectMiddleware",
+    "CancelToken",
+    "current_token",
+    "shield",
+)

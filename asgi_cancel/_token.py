@@ -1,0 +1,231 @@
+"""The per-request cancellation token, the contextvar that finds it, and `shield()`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["CancelToken", "current_token", "shield"]
+
+logger = logging.getLogger("asgi_cancel")
+
+_current: contextvars.ContextVar[CancelToken] = contextvars.ContextVar("asgi_cancel_token")
+
+
+class CancelToken:
+    """The cancellation state of one HTTP request.
+
+    `CancelOnDisconnectMiddleware` makes one per request and fires it the moment the client
+    disconnects before the response is complete. Code anywhere in the request, including sync
+    code in worker threads that copied the context, finds it with `current_token()`.
+
+    A token only reports and notifies; the middleware is what cancels the app task.
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_canceller",
+        "_cancelled",
+        "_deferred",
+        "_reason",
+        "_shield_depth",
+        "_spawn",
+        "_waiters",
+    )
+
+    def __init__(self) -> None:
+        self._cancelled = False
+        self._reason: str | None = None
+        self._callbacks: dict[object, Callable[[], object]] | None = None
+        self._waiters: list[Any] | None = None
+        self._shield_depth = 0
+        self._deferred = False
+        # Set by the middleware: how to cancel the app, and how to run awaitable callbacks.
+        self._canceller: Callable[[], None] | None = None
+        self._spawn: Callable[[Awaitable[object]], None] | None = None
+
+    def __repr__(self) -> str:
+        state = f"cancelled, reason={self._reason!r}" if self._cancelled else "active"
+        return f"<CancelToken {state}>"
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the request was cancelled. A plain attribute read: safe from any thread."""
+        return self._cancelled
+
+    @property
+    def reason(self) -> str | None:
+        """Why the request was cancelled (e.g. `"client disconnected"`), or None until then."""
+        return self._reason
+
+    async def wait(self) -> None:
+        """Return once the token is cancelled (at once if it already is)."""
+        if self._cancelled:
+            return
+        if self._waiters is None:
+            self._waiters = []
+        loop = asyncio.events._get_running_loop()
+        if loop is None:  # trio
+            import trio
+
+            event = trio.Event()
+            self._waiters.append(event)
+            await event.wait()
+            return
+        future = loop.create_future()
+        self._waiters.append(future)
+        try:
+            await future
+        finally:
+            if not future.done():  # cancelled while waiting: forget it
+                self._waiters.remove(future)
+
+    def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call `callback()` once, in the event loop, the moment the token is cancelled.
+
+        Callbacks run at the disconnect itself, before the app task sees its cancellation, so
+        they can stop work that the app task does not own (an engine request, a queued job).
+        If the callback returns an awaitable, it is run as a task that the middleware awaits
+        before the request ends, so it completes even while the app is being cancelled.
+        On a token that is already cancelled, the callback runs at once.
+
+        Args:
+            callback: a function taking no arguments.
+
+        Returns:
+            A function that unregisters the callback; calling it after the callback ran, or
+            twice, does nothing.
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {callback!r}")
+        if self._cancelled:
+            self._run_callback(callback)
+            return _noop
+        if self._callbacks is None:
+            self._callbacks = {}
+        key = object()
+        self._callbacks[key] = callback
+        callbacks = self._callbacks
+
+        def unregister() -> None:
+            callbacks.pop(key, None)
+
+        return unregister
+
+    def raise_if_cancelled(self) -> None:
+        """Raise `asyncio.CancelledError` if the request was cancelled.
+
+        Meant for sync code in worker threads (a FastAPI `def` endpoint, a CPU-bound loop)
+        that the event loop cannot interrupt: call it between units of work.
+
+        Raises:
+            asyncio.CancelledError: the token is cancelled; its message is the reason.
+        """
+        if self._cancelled:
+            raise asyncio.CancelledError(self._reason)
+
+    def _fire(self, reason: str) -> None:
+        """Cancel the token: notify waiters and callbacks, then ask for the app's cancellation."""
+        if self._cancelled:
+            return
+        self._cancelled = True
+        self._reason = reason
+        if self._waiters:
+            for waiter in self._waiters:
+                if isinstance(waiter, asyncio.Future):
+                    if not waiter.done():
+                        waiter.set_result(None)
+                else:
+                    waiter.set()
+            self._waiters = None
+        if self._callbacks:
+            callbacks = list(self._callbacks.values())
+            self._callbacks = None
+            for callback in callbacks:
+                self._run_callback(callback)
+
+    def _run_callback(self, callback: Callable[[], object]) -> None:
+        try:
+            result = callback()
+        except Exception:
+            logger.exception("asgi_cancel: on_cancel callback %r raised", callback)
+            return
+        if inspect.isawaitable(result):
+            if self._spawn is not None:
+                self._spawn(result)
+            else:  # a token used without the middleware: best effort on asyncio
+                _spawn_detached(result)
+
+    def _request_cancel(self) -> None:
+        """Cancel the app now, or when the outermost `shield()` block exits."""
+        if self._shield_depth:
+            self._deferred = True
+        elif self._canceller is not None:
+            self._canceller()
+
+
+def _noop() -> None:
+    pass
+
+
+_detached: set[asyncio.Task[object]] = set()
+
+
+def _spawn_detached(awaitable: Awaitable[object]) -> None:
+    async def run() -> object:
+        return await awaitable
+
+    task = asyncio.get_running_loop().create_task(run())
+    _detached.add(task)
+    task.add_done_callback(_detached.discard)
+
+
+def current_token() -> CancelToken:
+    """Return the `CancelToken` of the request being handled.
+
+    Works in the app task, in tasks it spawns, and in worker threads that copied the context
+    (Starlette's `run_in_threadpool`, FastAPI `def` endpoints, `asyncio.to_thread`).
+
+    Raises:
+        RuntimeError: called outside a request handled by `CancelOnDisconnectMiddleware`.
+    """
+    try:
+        return _current.get()
+    except LookupError:
+        raise RuntimeError(
+            "current_token() was called outside a request handled by "
+            "CancelOnDisconnectMiddleware (is the middleware installed, and is this code "
+            "running in the request's context?)"
+        ) from None
+
+
+@contextmanager
+def shield() -> Iterator[CancelToken | None]:
+    """Defer the request's cancellation until the block exits.
+
+    Use it around a critical section that must not be interrupted half-way (a database
+    commit, a billing record). The token still reports the disconnect at once (`cancelled`
+    becomes True and callbacks run); only the app task's cancellation waits, and is delivered
+    when the outermost `shield()` block exits. Outside a request it does nothing.
+
+    Yields:
+        The request's token, or None outside a request.
+    """
+    token = _current.get(None)
+    if token is None:
+        yield None
+        return
+    token._shield_depth += 1
+    try:
+        yield token
+    finally:
+        token._shield_depth -= 1
+        if not token._shield_depth and token._deferred:
+            token._deferred = False
+            if token._canceller is not None:
+                token._canceller()

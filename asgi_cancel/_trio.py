@@ -1,0 +1,103 @@
+"""The trio side of the middleware: a nursery for the watcher, a cancel scope for the app."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+import trio
+
+from ._cycle import Cycle, OnCancelled
+from ._token import _current
+from ._types import Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from ._middleware import CancelOnDisconnectMiddleware
+
+
+async def run_trio(
+    middleware: CancelOnDisconnectMiddleware, scope: Scope, receive: Receive, send: Send
+) -> None:
+    cycle = _TrioCycle(
+        scope, receive, send, middleware.read_ahead, middleware.grace, middleware.on_cancelled
+    )
+    reset = _current.set(cycle.token)
+    error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            cycle.nursery = nursery
+            nursery.start_soon(cycle.watch_in_scope)
+            try:
+                with cycle.app_scope:
+                    await middleware.app(scope, cycle.receive, cycle.send)
+            except BaseException as exc:  # re-raised below, outside the nursery's group
+                error = exc
+            finally:
+                cycle.done = True
+                cycle.watch_scope.cancel()
+                cycle.grace_scope.cancel()
+    finally:
+        _current.reset(reset)
+    if error is not None:
+        raise error
+
+
+class _TrioCycle(Cycle):
+    __slots__ = ("app_scope", "grace_scope", "lot", "nursery", "watch_scope")
+
+    def __init__(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        read_ahead: int,
+        grace: float,
+        on_cancelled: OnCancelled | None,
+    ) -> None:
+        super().__init__(scope, receive, send, read_ahead, grace, on_cancelled)
+        self.lot = trio.lowlevel.ParkingLot()
+        self.app_scope = trio.CancelScope()
+        self.watch_scope = trio.CancelScope()
+        self.grace_scope = trio.CancelScope()
+        self.nursery: trio.Nursery | None = None
+        self.token._spawn = self.spawn
+
+    async def watch_in_scope(self) -> None:
+        with self.watch_scope:
+            await self.watch()
+
+    async def park(self) -> None:
+        await self.lot.park()
+
+    def wake(self) -> None:
+        if self.lot:
+            self.lot.unpark_all()
+
+    def cancel_app(self) -> None:
+        if self.done or self.cancel_issued:
+            return
+        self.cancel_issued = True
+        self.app_scope.cancel()
+
+    def schedule_grace(self) -> None:
+        self.grace_scope.deadline = trio.current_time() + self.grace
+        if self.nursery is not None:
+            self.nursery.start_soon(self._wait_grace)
+
+    async def _wait_grace(self) -> None:
+        with self.grace_scope:
+            await trio.sleep_forever()
+        if not self.done:
+            self.token._request_cancel()
+
+    async def checkpoint(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def spawn(self, awaitable: Awaitable[object]) -> None:
+        async def run() -> None:
+            await awaitable
+
+        if self.nursery is not None:
+            self.nursery.start_soon(run)
+
+
