@@ -1,7 +1,5 @@
 """asgi-cancel: stop an ASGI app's work the moment its HTTP client disconnects."""
 
-from __future__ import annotations
-
 from ._middleware import CancelOnDisconnectMiddleware as CancelOnDisconnectMiddleware
 from ._token import CancelToken as CancelToken
 from ._token import current_token as current_token

@@ -58,16 +58,16 @@ class CancelOnDisconnectMiddleware:
         if not callable(app):
             raise TypeError(f"app must be an ASGI callable, got {describe(app)}")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
-            raise ValueError(
-                f"read_ahead must be an int of bytes >= 0, got {describe(read_ahead)}"
-            )
+            raise ValueError(f"read_ahead must be an int of bytes >= 0, got {describe(read_ahead)}")
         if (
             isinstance(grace, bool)
             or not isinstance(grace, (int, float))
             or not math.isfinite(grace)
             or grace < 0
         ):
-            raise ValueError(f"grace must be a finite number of seconds >= 0, got {describe(grace)}")
+            raise ValueError(
+                f"grace must be a finite number of seconds >= 0, got {describe(grace)}"
+            )
         if on_cancelled is not None and not callable(on_cancelled):
             raise ValueError(f"on_cancelled must be callable or None, got {describe(on_cancelled)}")
         self.app = app
@@ -99,11 +99,11 @@ class CancelOnDisconnectMiddleware:
         except asyncio.CancelledError:
             if not cycle.cancel_issued:
                 raise  # not ours: server shutdown or an outer timeout
-            if _HAS_UNCANCEL and task.uncancel():
+            if _HAS_UNCANCEL and task.uncancel():  # type: ignore[attr-defined,unused-ignore]
                 raise  # ours, and someone else's too
         else:
             if cycle.cancel_issued and _HAS_UNCANCEL:
-                task.uncancel()  # the app swallowed our cancellation
+                task.uncancel()  # type: ignore[attr-defined,unused-ignore]  # app swallowed it
         finally:
             cycle.done = True
             tick.cancel()

@@ -29,8 +29,8 @@ class CancelToken:
 
     __slots__ = (
         "_callbacks",
-        "_canceller",
         "_cancelled",
+        "_canceller",
         "_deferred",
         "_reason",
         "_shield_depth",

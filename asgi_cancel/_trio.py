@@ -99,5 +99,3 @@ class _TrioCycle(Cycle):
 
         if self.nursery is not None:
             self.nursery.start_soon(run)
-
-

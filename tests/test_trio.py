@@ -1,0 +1,118 @@
+"""The same contract on trio (hypercorn -k trio, Starlette's TestClient trio backend)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from asgi_cancel import CancelOnDisconnectMiddleware, current_token, shield
+from asgi_cancel._types import Message, Receive, Scope, Send
+from asgi_cancel.testing import ClientConnection, http_scope
+
+pytestmark = pytest.mark.anyio
+
+WATCHDOG = 5
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "trio"
+
+
+async def read_body(receive: Receive) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            return body
+
+
+async def test_body_and_response_pass_through() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await trio.sleep(0.01)
+        body = await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body[::-1]})
+
+    conn = ClientConnection([b"abc", b"def", b"g"])
+    with trio.fail_after(WATCHDOG):
+        await conn.run(CancelOnDisconnectMiddleware(app, read_ahead=2), http_scope("POST"))
+    assert conn.status == 200
+    assert conn.body == b"gfedcba"
+
+
+async def test_disconnect_cancels_with_a_cancel_scope() -> None:
+    events: list[str] = []
+
+    def cleanup() -> None:
+        events.append("callback")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        token = current_token()
+        token.on_cancel(cleanup)
+        await read_body(receive)
+        try:
+            with shield():
+                await token.wait()
+                events.append("shielded section saw the token")
+            await trio.sleep(30)
+        except trio.Cancelled:
+            events.append("cancelled")
+            raise
+
+    conn = ClientConnection()
+    with trio.fail_after(WATCHDOG):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.run, CancelOnDisconnectMiddleware(app))
+            while conn.receive_calls < 2:
+                await trio.sleep(0.001)
+            conn.disconnect()
+    assert events == ["callback", "shielded section saw the token", "cancelled"]
+    assert conn.app_exception is None
+
+
+async def test_listening_app_gets_disconnect_and_replays() -> None:
+    got: list[Message] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(lambda: _append(got, receive))
+            await trio.sleep(0.01)
+            conn.disconnect()
+        got.append(await receive())
+
+    conn = ClientConnection(after_disconnect="block")
+    with trio.fail_after(WATCHDOG):
+        await conn.run(CancelOnDisconnectMiddleware(app, grace=2))
+    assert got == [{"type": "http.disconnect"}] * 3
+
+
+async def _append(got: list[Message], receive: Receive) -> None:
+    got.append(await receive())
+
+
+async def test_app_exception_propagates_unwrapped() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await trio.sleep(0.01)
+        raise KeyError("boom")
+
+    with trio.fail_after(WATCHDOG), pytest.raises(KeyError, match="boom"):
+        await ClientConnection().run(CancelOnDisconnectMiddleware(app))
+
+
+async def test_normal_response_then_disconnect_cancels_nothing() -> None:
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        await trio.sleep(0.05)  # post-response work while the server says disconnect
+        events.append(f"background done, cancelled={current_token().cancelled}")
+
+    with trio.fail_after(WATCHDOG):
+        await ClientConnection().run(CancelOnDisconnectMiddleware(app))
+    assert events == ["background done, cancelled=False"]
