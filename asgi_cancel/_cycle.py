@@ -7,10 +7,10 @@ The event-loop specific parts (parking, cancelling the app, timers) live in the 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from time import monotonic as _monotonic
+from typing import Any, Protocol
 
 from ._token import CancelToken
 from ._types import Message, Receive, Scope, Send
@@ -25,8 +25,12 @@ _MAX_EXTRA_REQUESTS = 3
 OnCancelled = Callable[..., object]
 
 
-class Cycle:
-    """The middleware's view of one HTTP request/response cycle."""
+class Cycle(CancelToken):
+    """The middleware's view of one HTTP request/response cycle, and its `CancelToken`.
+
+    One object per request: the token the app sees is the cycle itself, so a request that
+    never waits costs a single allocation and no reference cycle.
+    """
 
     __slots__ = (
         "app_waiting",
@@ -34,40 +38,36 @@ class Cycle:
         "buffer",
         "buffered",
         "cancel_issued",
+        "config",
         "disconnect",
         "done",
-        "grace",
-        "on_cancelled",
-        "read_ahead",
+        "grace_timer",
+        "lot",
         "reading",
         "real_receive",
         "real_send",
         "response_complete",
         "response_started",
         "scope",
+        "spawned",
         "started_at",
-        "token",
+        "task",
         "trailers",
+        "watcher",
     )
 
-    def __init__(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        read_ahead: int,
-        grace: float,
-        on_cancelled: OnCancelled | None,
-    ) -> None:
+    def __init__(self, scope: Scope, receive: Receive, send: Send, config: Config) -> None:
         self.scope = scope
         self.real_receive = receive
         self.real_send = send
-        self.read_ahead = read_ahead
-        self.grace = grace
-        self.on_cancelled = on_cancelled
-        self.token = token = CancelToken()
-        token._canceller = self.cancel_app
-        self.started_at = time.monotonic()
+        self.config = config
+        self.started_at = _monotonic()
+        # CancelToken's fields, set here rather than through super().__init__() (hot path).
+        self._cancelled = False
+        self._reason: str | None = None
+        self._callbacks: dict[object, Callable[[], object]] | None = None
+        self._shield_depth = 0
+        self._deferred = False
         self.buffer: deque[Message] | None = None
         self.buffered = 0
         self.body_complete = False
@@ -79,15 +79,18 @@ class Cycle:
         self.trailers = False
         self.done = False
         self.cancel_issued = False
+        # Filled by the event-loop specific subclass, when needed.
+        self.task: Any = None
+        self.lot: Any = None
+        self.watcher: Any = None
+        self.grace_timer: Any = None
+        self.spawned: Any = None
 
     # -- event-loop specific ------------------------------------------------------------------
     async def park(self) -> None:
         raise NotImplementedError
 
     def wake(self) -> None:
-        raise NotImplementedError
-
-    def cancel_app(self) -> None:
         raise NotImplementedError
 
     def schedule_grace(self) -> None:
@@ -133,14 +136,16 @@ class Cycle:
                 await self.checkpoint()  # the cancellation lands here, not in the app's handler
         return message
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        # A plain function handing back the server's own awaitable: no coroutine frame of our
+        # own on the per-token path, only these flag checks.
         if self.disconnect is not None:
             # The client is gone. Dropping is what every server does, except hypercorn over
             # HTTP/2 after the TCP connection closed, where send() would hang forever.
-            return
+            return _dropped()
         message_type = message["type"]
         if message_type == "http.response.body":
-            if not message.get("more_body", False) and not self.trailers:
+            if not self.trailers and not message.get("more_body", False):
                 # Set BEFORE awaiting: hypercorn-trio delivers the disconnect before it returns.
                 self.response_complete = True
         elif message_type == "http.response.start":
@@ -151,7 +156,7 @@ class Cycle:
                 self.response_complete = True
         elif message_type in ("http.response.pathsend", "http.response.zerocopy"):
             self.response_complete = True
-        await self.real_send(message)
+        return self.real_send(message)
 
     # -- the watcher ---------------------------------------------------------------------------
     async def watch(self) -> None:
@@ -159,7 +164,7 @@ class Cycle:
         receive = self.real_receive
         extra = 0
         while self.disconnect is None and not self.done:
-            if self.reading or (not self.body_complete and self.buffered >= self.read_ahead):
+            if self.reading or (not self.body_complete and self.buffered >= self.config.read_ahead):
                 await self.park()
                 continue
             self.reading = True
@@ -203,12 +208,12 @@ class Cycle:
             if listening:
                 self.schedule_grace()
             else:
-                self.token._request_cancel()
+                self._request_cancel()
         self.wake()
 
     def fire(self) -> None:
-        elapsed = time.monotonic() - self.started_at
-        self.token._fire(REASON)
+        elapsed = _monotonic() - self.started_at
+        self._fire(REASON)
         scope = self.scope
         logger.info(
             "%s %s cancelled: %s after %.3fs (499)",
@@ -217,9 +222,10 @@ class Cycle:
             REASON,
             elapsed,
         )
-        if self.on_cancelled is not None:
+        on_cancelled = self.config.on_cancelled
+        if on_cancelled is not None:
             try:
-                self.on_cancelled(
+                on_cancelled(
                     scope,
                     reason=REASON,
                     elapsed=elapsed,
@@ -227,6 +233,18 @@ class Cycle:
                 )
             except Exception:
                 logger.exception("asgi_cancel: on_cancelled hook raised")
+
+
+async def _dropped() -> None:
+    pass
+
+
+class Config(Protocol):
+    """What a cycle reads from its middleware (only when it needs it)."""
+
+    read_ahead: int
+    grace: float
+    on_cancelled: OnCancelled | None
 
 
 def describe(value: Any) -> str:

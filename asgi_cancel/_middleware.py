@@ -6,6 +6,7 @@ import asyncio
 import math
 import sys
 from collections.abc import Awaitable
+from typing import Any
 
 from ._cycle import Cycle, OnCancelled, describe, logger
 from ._token import _current
@@ -74,6 +75,9 @@ class CancelOnDisconnectMiddleware:
         self.read_ahead = read_ahead
         self.grace = float(grace)
         self.on_cancelled = on_cancelled
+        # Requests started during the current event-loop iteration, per loop: one call_soon
+        # per iteration (not per request) starts watchers for those that are still running.
+        self._batch: tuple[asyncio.AbstractEventLoop, list[_AsyncioCycle]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -85,93 +89,90 @@ class CancelOnDisconnectMiddleware:
 
             await run_trio(self, scope, receive, send)
             return
-        task = _current_task(loop)
-        assert task is not None
-        cycle = _AsyncioCycle(
-            scope, receive, send, self.read_ahead, self.grace, self.on_cancelled, loop, task
-        )
-        reset = _current.set(cycle.token)
-        # Start watching only if the app ever yields to the loop: a request that runs to the
-        # end in one step (hello world) costs no task at all.
-        tick = loop.call_soon(cycle.start_watching)
+        cycle = _AsyncioCycle(scope, receive, send, self)
+        cycle.task = task = _current_task(loop)  # type: ignore[assignment]
+        # Watch only requests that yield to the loop: one that runs to the end in a single
+        # step (a hello world) costs no task, no queue and no timer.
+        batch = self._batch
+        if batch is None or batch[0] is not loop:
+            batch = self._batch = (loop, [])
+            loop.call_soon(self._start_watchers, batch)
+        batch[1].append(cycle)
+        reset = _current.set(cycle)
         try:
             await self.app(scope, cycle.receive, cycle.send)
         except asyncio.CancelledError:
             if not cycle.cancel_issued:
                 raise  # not ours: server shutdown or an outer timeout
-            if _HAS_UNCANCEL and task.uncancel():  # type: ignore[attr-defined,unused-ignore]
+            if _HAS_UNCANCEL and task.uncancel():  # type: ignore[union-attr,unused-ignore]
                 raise  # ours, and someone else's too
         else:
             if cycle.cancel_issued and _HAS_UNCANCEL:
-                task.uncancel()  # type: ignore[attr-defined,unused-ignore]  # app swallowed it
+                task.uncancel()  # type: ignore[union-attr,unused-ignore]  # app swallowed it
         finally:
             cycle.done = True
-            tick.cancel()
             if cycle.watcher is not None or cycle.grace_timer is not None or cycle.spawned:
                 await cycle.finish()
             _current.reset(reset)
 
+    def _start_watchers(self, batch: tuple[asyncio.AbstractEventLoop, list[_AsyncioCycle]]) -> None:
+        if self._batch is batch:
+            self._batch = None
+        loop = batch[0]
+        for cycle in batch[1]:
+            if not cycle.done and cycle.disconnect is None:
+                cycle.watcher = loop.create_task(cycle.watch())
+
 
 class _AsyncioCycle(Cycle):
-    __slots__ = ("grace_timer", "loop", "lot", "spawned", "task", "watcher")
+    __slots__ = ()
 
-    def __init__(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        read_ahead: int,
-        grace: float,
-        on_cancelled: OnCancelled | None,
-        loop: asyncio.AbstractEventLoop,
-        task: asyncio.Task[object],
-    ) -> None:
-        super().__init__(scope, receive, send, read_ahead, grace, on_cancelled)
-        self.loop = loop
-        self.task = task
-        self.lot: list[asyncio.Future[None]] = []
-        self.watcher: asyncio.Task[None] | None = None
-        self.grace_timer: asyncio.TimerHandle | None = None
-        self.spawned: set[asyncio.Task[object]] = set()
-        self.token._spawn = self.spawn
-
-    def start_watching(self) -> None:
-        if not self.done and self.disconnect is None:
-            self.watcher = self.loop.create_task(self.watch())
+    # The backend slots of Cycle, as asyncio fills them.
+    task: asyncio.Task[Any]
+    lot: list[asyncio.Future[None]] | None
+    watcher: asyncio.Task[None] | None
+    grace_timer: asyncio.TimerHandle | None
+    spawned: set[asyncio.Task[object]] | None
 
     async def park(self) -> None:
-        future = self.loop.create_future()
+        future = self.task.get_loop().create_future()
+        if self.lot is None:
+            self.lot = []
         self.lot.append(future)
         try:
             await future
         finally:
-            if not future.done():
+            if not future.done() and self.lot is not None:
                 self.lot.remove(future)
 
     def wake(self) -> None:
-        if self.lot:
-            lot, self.lot = self.lot, []
+        lot = self.lot
+        if lot:
+            self.lot = None
             for future in lot:
                 if not future.done():
                     future.set_result(None)
 
-    def cancel_app(self) -> None:
+    def _cancel_app(self) -> None:
         if self.done or self.cancel_issued:
             return
         self.cancel_issued = True
         self.task.cancel()  # once: edge-triggered, so the app's cleanup can await freely
 
     def schedule_grace(self) -> None:
-        self.grace_timer = self.loop.call_later(self.grace, self.token._request_cancel)
+        loop = self.task.get_loop()
+        self.grace_timer = loop.call_later(self.config.grace, self._request_cancel)
 
     async def checkpoint(self) -> None:
         await asyncio.sleep(0)
 
-    def spawn(self, awaitable: Awaitable[object]) -> None:
+    def _spawn(self, awaitable: Awaitable[object], /) -> None:
         async def run() -> object:
             return await awaitable
 
-        self.spawned.add(self.loop.create_task(run()))
+        if self.spawned is None:
+            self.spawned = set()
+        self.spawned.add(self.task.get_loop().create_task(run()))
 
     async def finish(self) -> None:
         if self.grace_timer is not None:
@@ -182,7 +183,7 @@ class _AsyncioCycle(Cycle):
             await asyncio.wait((watcher,))
         while self.spawned:
             # Callbacks' tasks (engine aborts) must finish: the app's cleanup may rely on them.
-            spawned, self.spawned = self.spawned, set()
+            spawned, self.spawned = self.spawned, None
             await asyncio.wait(spawned)
             for task in spawned:
                 if not task.cancelled() and task.exception() is not None:

@@ -8,7 +8,6 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 __all__ = ["CancelToken", "current_token", "shield"]
 
@@ -24,30 +23,19 @@ class CancelToken:
     disconnects before the response is complete. Code anywhere in the request, including sync
     code in worker threads that copied the context, finds it with `current_token()`.
 
-    A token only reports and notifies; the middleware is what cancels the app task.
+    A token only reports and notifies; the middleware is what cancels the app task (its
+    per-request state is a subclass that implements `_cancel_app` and `_spawn`).
     """
 
-    __slots__ = (
-        "_callbacks",
-        "_cancelled",
-        "_canceller",
-        "_deferred",
-        "_reason",
-        "_shield_depth",
-        "_spawn",
-        "_waiters",
-    )
+    __slots__ = ("_callbacks", "_cancelled", "_deferred", "_reason", "_shield_depth")
 
     def __init__(self) -> None:
+        # The middleware's subclass sets these same fields in its own __init__ (hot path).
         self._cancelled = False
         self._reason: str | None = None
         self._callbacks: dict[object, Callable[[], object]] | None = None
-        self._waiters: list[Any] | None = None
         self._shield_depth = 0
         self._deferred = False
-        # Set by the middleware: how to cancel the app, and how to run awaitable callbacks.
-        self._canceller: Callable[[], None] | None = None
-        self._spawn: Callable[[Awaitable[object]], None] | None = None
 
     def __repr__(self) -> str:
         state = f"cancelled, reason={self._reason!r}" if self._cancelled else "active"
@@ -67,23 +55,28 @@ class CancelToken:
         """Return once the token is cancelled (at once if it already is)."""
         if self._cancelled:
             return
-        if self._waiters is None:
-            self._waiters = []
         loop = asyncio.events._get_running_loop()
         if loop is None:  # trio
             import trio
 
             event = trio.Event()
-            self._waiters.append(event)
-            await event.wait()
+            unregister = self.on_cancel(event.set)
+            try:
+                await event.wait()
+            finally:
+                unregister()
             return
-        future = loop.create_future()
-        self._waiters.append(future)
+        future: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        unregister = self.on_cancel(wake)
         try:
             await future
         finally:
-            if not future.done():  # cancelled while waiting: forget it
-                self._waiters.remove(future)
+            unregister()
 
     def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
         """Call `callback()` once, in the event loop, the moment the token is cancelled.
@@ -135,14 +128,6 @@ class CancelToken:
             return
         self._cancelled = True
         self._reason = reason
-        if self._waiters:
-            for waiter in self._waiters:
-                if isinstance(waiter, asyncio.Future):
-                    if not waiter.done():
-                        waiter.set_result(None)
-                else:
-                    waiter.set()
-            self._waiters = None
         if self._callbacks:
             callbacks = list(self._callbacks.values())
             self._callbacks = None
@@ -156,17 +141,21 @@ class CancelToken:
             logger.exception("asgi_cancel: on_cancel callback %r raised", callback)
             return
         if inspect.isawaitable(result):
-            if self._spawn is not None:
-                self._spawn(result)
-            else:  # a token used without the middleware: best effort on asyncio
-                _spawn_detached(result)
+            self._spawn(result)
 
     def _request_cancel(self) -> None:
         """Cancel the app now, or when the outermost `shield()` block exits."""
         if self._shield_depth:
             self._deferred = True
-        elif self._canceller is not None:
-            self._canceller()
+        else:
+            self._cancel_app()
+
+    def _cancel_app(self) -> None:
+        """Cancel the request's app task; a token without a middleware has none."""
+
+    def _spawn(self, awaitable: Awaitable[object], /) -> None:
+        """Run an awaitable returned by an `on_cancel` callback (best effort on asyncio)."""
+        _spawn_detached(awaitable)
 
 
 def _noop() -> None:
@@ -227,5 +216,4 @@ def shield() -> Iterator[CancelToken | None]:
         token._shield_depth -= 1
         if not token._shield_depth and token._deferred:
             token._deferred = False
-            if token._canceller is not None:
-                token._canceller()
+            token._cancel_app()

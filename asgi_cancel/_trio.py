@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ._cycle import Cycle, OnCancelled
+from ._cycle import Config, Cycle
 from ._token import _current
 from ._types import Receive, Scope, Send
 
@@ -18,10 +18,8 @@ if TYPE_CHECKING:
 async def run_trio(
     middleware: CancelOnDisconnectMiddleware, scope: Scope, receive: Receive, send: Send
 ) -> None:
-    cycle = _TrioCycle(
-        scope, receive, send, middleware.read_ahead, middleware.grace, middleware.on_cancelled
-    )
-    reset = _current.set(cycle.token)
+    cycle = _TrioCycle(scope, receive, send, middleware)
+    reset = _current.set(cycle)
     error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
@@ -43,24 +41,15 @@ async def run_trio(
 
 
 class _TrioCycle(Cycle):
-    __slots__ = ("app_scope", "grace_scope", "lot", "nursery", "watch_scope")
+    __slots__ = ("app_scope", "grace_scope", "nursery", "watch_scope")
 
-    def __init__(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        read_ahead: int,
-        grace: float,
-        on_cancelled: OnCancelled | None,
-    ) -> None:
-        super().__init__(scope, receive, send, read_ahead, grace, on_cancelled)
+    def __init__(self, scope: Scope, receive: Receive, send: Send, config: Config) -> None:
+        super().__init__(scope, receive, send, config)
         self.lot = trio.lowlevel.ParkingLot()
         self.app_scope = trio.CancelScope()
         self.watch_scope = trio.CancelScope()
         self.grace_scope = trio.CancelScope()
         self.nursery: trio.Nursery | None = None
-        self.token._spawn = self.spawn
 
     async def watch_in_scope(self) -> None:
         with self.watch_scope:
@@ -73,14 +62,14 @@ class _TrioCycle(Cycle):
         if self.lot:
             self.lot.unpark_all()
 
-    def cancel_app(self) -> None:
+    def _cancel_app(self) -> None:
         if self.done or self.cancel_issued:
             return
         self.cancel_issued = True
         self.app_scope.cancel()
 
     def schedule_grace(self) -> None:
-        self.grace_scope.deadline = trio.current_time() + self.grace
+        self.grace_scope.deadline = trio.current_time() + self.config.grace
         if self.nursery is not None:
             self.nursery.start_soon(self._wait_grace)
 
@@ -88,12 +77,12 @@ class _TrioCycle(Cycle):
         with self.grace_scope:
             await trio.sleep_forever()
         if not self.done:
-            self.token._request_cancel()
+            self._request_cancel()
 
     async def checkpoint(self) -> None:
         await trio.lowlevel.checkpoint()
 
-    def spawn(self, awaitable: Awaitable[object]) -> None:
+    def _spawn(self, awaitable: Awaitable[object], /) -> None:
         async def run() -> None:
             await awaitable
 

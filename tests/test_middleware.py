@@ -116,7 +116,9 @@ async def test_extra_empty_request_after_body_is_ignored() -> None:
         received.append(await asyncio.wait_for(listener, 2))
         await respond(send)
 
-    await with_watchdog(CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, server.send))
+    await with_watchdog(
+        CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, server.send)
+    )
     assert received == [
         {"type": "http.request", "body": b"abc", "more_body": False},
         {"type": "http.disconnect"},

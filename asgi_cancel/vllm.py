@@ -1,0 +1,143 @@
+"""Turn a request's cancellation into vLLM engine aborts: `abort_on_cancel` and `generate`.
+
+Cancelling the task that iterates `AsyncLLM.generate()` already aborts that one request. This
+adapter covers what a task cancellation does not reach: generators iterated in other tasks
+(merged prompts, background producers), requests still queued in the scheduler, and vLLM's
+own `with_cancellation`, whose inner handler task outlives its wrapper. It aborts by request id
+the moment the client disconnects, from the disconnect itself.
+
+Nothing here imports vLLM: an engine is anything with `generate` and `abort` (`EngineClient`),
+so `vllm.v1.engine.async_llm.AsyncLLM`, vLLM's `EngineClient` and test doubles all fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol, TypeVar
+
+from ._token import CancelToken, _current
+
+__all__ = ["EngineClient", "abort_on_cancel", "generate"]
+
+_OutputT_co = TypeVar("_OutputT_co", covariant=True)
+
+
+class EngineClient(Protocol[_OutputT_co]):
+    """The two methods of a vLLM engine client the adapter uses.
+
+    `vllm.v1.engine.async_llm.AsyncLLM` (also exported as `vllm.AsyncLLMEngine`) and any
+    `vllm.engine.protocol.EngineClient` match it.
+    """
+
+    def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, /
+    ) -> AsyncIterator[_OutputT_co]:
+        """Start a request and iterate its outputs (vLLM: `RequestOutput`)."""
+        ...
+
+    def abort(self, request_id: Iterable[str], /) -> Awaitable[None]:
+        """Abort requests by the ids given to `generate` (n>1 children included)."""
+        ...
+
+
+@asynccontextmanager
+async def abort_on_cancel(
+    engine: EngineClient[object], *request_ids: str
+) -> AsyncIterator[CancelToken | None]:
+    """Abort `request_ids` in `engine` the moment the current request's client disconnects.
+
+    Enter it before the generation starts and leave it when the outputs are consumed. When
+    `CancelOnDisconnectMiddleware` sees the disconnect, one `engine.abort([ids...])` starts
+    at once, from the disconnect itself, before the app task sees its cancellation; the
+    middleware awaits it before the request ends, so it completes even while the surrounding
+    task is being cancelled. It reaches generators iterated in any task (n>1, merged prompts,
+    background producers) and requests still queued in the scheduler.
+
+    On a normal exit nothing is aborted: a finished request is never aborted. A block entered
+    after the disconnect (inside `shield()`, or during the middleware's grace period) aborts
+    its ids when it exits with an exception, since an abort on entry would precede them.
+
+    Outside a request handled by the middleware (no `current_token()`), it does nothing and
+    yields None: the same code runs unchanged in scripts and tests, and vLLM's own abort on
+    `CancelledError` still applies.
+
+    Args:
+        engine: a vLLM `AsyncLLM` or anything with `generate` and `abort` (`EngineClient`).
+        *request_ids: the ids passed to `engine.generate`: one per prompt (an n>1 request
+            needs only its one id: vLLM aborts its children with it). Use ids unique per
+            request: vLLM aborts every running request that shares an id.
+
+    Yields:
+        The request's `CancelToken`, or None outside a request.
+
+    Raises:
+        TypeError: a request id is not a `str`.
+    """
+    for request_id in request_ids:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request ids must be str, got {request_id!r}")
+    token = _current.get(None)
+    if token is None or not request_ids:
+        yield token
+        return
+    ids = list(request_ids)
+
+    def abort() -> Awaitable[None]:
+        return engine.abort(ids)
+
+    if token.cancelled:
+        # Entered after the disconnect (in a shield, in the grace period): an abort now would
+        # precede the request, so abort what the block started if it ends by an exception.
+        try:
+            yield token
+        except BaseException:
+            token.on_cancel(abort)  # runs at once; the middleware awaits it
+            raise
+        return
+    unregister = token.on_cancel(abort)
+    try:
+        yield token
+    finally:
+        unregister()
+
+
+async def generate(
+    engine: EngineClient[_OutputT_co],
+    prompt: Any,
+    sampling_params: Any,
+    request_id: str,
+    **kwargs: Any,
+) -> AsyncIterator[_OutputT_co]:
+    """`engine.generate(...)` inside `abort_on_cancel(engine, request_id)`.
+
+    A drop-in for `engine.generate` in an app behind `CancelOnDisconnectMiddleware`: the
+    request is aborted when the client disconnects, whichever task iterates it. After the
+    disconnect it also aborts a request that reached the engine too late for the first abort,
+    at its first output, so an iteration that nobody cancels still ends at once (with vLLM's
+    final output, `finish_reason="abort"`).
+
+    Args:
+        engine: a vLLM `AsyncLLM` or anything with `generate` and `abort`.
+        prompt: as for `engine.generate`.
+        sampling_params: as for `engine.generate` (vLLM `SamplingParams`).
+        request_id: as for `engine.generate`: unique per request.
+        **kwargs: passed on to `engine.generate` (e.g. `lora_request`, `priority`).
+
+    Yields:
+        The engine's outputs, unchanged.
+    """
+    start: Callable[..., AsyncIterator[_OutputT_co]] = engine.generate
+    async with abort_on_cancel(engine, request_id) as token:
+        aborted_late = False
+        async for output in start(prompt, sampling_params, request_id, **kwargs):
+            if (
+                token is not None
+                and token.cancelled
+                and not aborted_late
+                and not getattr(output, "finished", False)
+            ):
+                # Still running after the disconnect: it missed the first abort.
+                aborted_late = True
+                await engine.abort([request_id])
+            yield output
