@@ -15,7 +15,7 @@ async def read_body(receive: Receive) -> bytes:
     while True:
         message = await receive()
         assert message["type"] == "http.request", message
-        body += message.get("body", b"")
+        body += bytes(message.get("body", b""))
         if not message.get("more_body", False):
             return body
 
@@ -80,6 +80,11 @@ class QueueServer:
 
     def disconnect(self) -> None:
         self.queue.put_nowait({"type": "http.disconnect"})
+
+
+async def receive_once(receive: Receive) -> Message:
+    """`receive()` as a coroutine, for asyncio.create_task()."""
+    return await receive()
 
 
 async def until(predicate: Callable[[], bool], *, timeout: float = WATCHDOG) -> None:

@@ -4,6 +4,7 @@ see tests/servers/). TestClient and httpx.ASGITransport cannot make a client lea
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
 
 import anyio
 import anyio.lowlevel
@@ -55,7 +56,7 @@ def starlette_app() -> Starlette:
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_starlette_testclient_body_and_stream(backend: str) -> None:
+def test_starlette_testclient_body_and_stream(backend: Literal["asyncio", "trio"]) -> None:
     with TestClient(starlette_app(), backend=backend) as client:
         response = client.post("/echo", content=PAYLOAD)
         assert response.json() == {"size": len(PAYLOAD), "token_cancelled": False}

@@ -13,7 +13,16 @@ from asgi_cancel import CancelOnDisconnectMiddleware, current_token, shield
 from asgi_cancel._types import Message, Receive, Scope, Send
 from asgi_cancel.testing import ClientConnection, http_scope
 
-from .helpers import QueueServer, read_body, respond, slow_app, streaming_app, until, with_watchdog
+from .helpers import (
+    QueueServer,
+    read_body,
+    receive_once,
+    respond,
+    slow_app,
+    streaming_app,
+    until,
+    with_watchdog,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -110,7 +119,7 @@ async def test_extra_empty_request_after_body_is_ignored() -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await asyncio.sleep(0.01)  # let the watcher read both
         received.append(await receive())
-        listener = asyncio.create_task(receive())
+        listener = asyncio.create_task(receive_once(receive))
         await asyncio.sleep(0.01)
         server.disconnect()
         received.append(await asyncio.wait_for(listener, 2))
@@ -156,7 +165,7 @@ async def test_disconnect_replayed_to_concurrent_and_repeat_callers() -> None:
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
-        listeners = [asyncio.create_task(receive()) for _ in range(2)]
+        listeners = [asyncio.create_task(receive_once(receive)) for _ in range(2)]
         await asyncio.sleep(0.01)
         conn.disconnect()
         results.extend(await asyncio.gather(*listeners))
@@ -436,7 +445,7 @@ async def test_listening_app_gets_disconnect_first_and_nothing_is_orphaned() -> 
 
         handler_task = asyncio.create_task(handler())
         listener = asyncio.create_task(listen())
-        done, pending = await asyncio.wait(
+        _done, pending = await asyncio.wait(
             [handler_task, listener], return_when=asyncio.FIRST_COMPLETED
         )
         for task in pending:

@@ -1,0 +1,97 @@
+"""asgi_cancel.testing: the helper users test their own apps with (the docs example included)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from asgi_cancel import CancelOnDisconnectMiddleware
+from asgi_cancel._types import Message, Receive, Scope, Send
+from asgi_cancel.testing import ClientConnection, http_scope
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    backend: str = request.param
+    return backend
+
+
+async def stream_app(scope: Scope, receive: Receive, send: Send) -> None:
+    while (await receive()).get("more_body", False):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for index in range(1000):
+        await send({"type": "http.response.body", "body": b"%d" % index, "more_body": True})
+        await anyio.sleep(0.002)
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def test_docs_example_stream_stops_when_client_leaves() -> None:
+    conn = ClientConnection(b'{"prompt": "hi", "stream": true}')
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                conn.run, CancelOnDisconnectMiddleware(stream_app), http_scope("POST", "/v1/x")
+            )
+            await conn.wait_for_body_chunks(3)
+            conn.disconnect()
+    assert conn.app_finished
+    assert conn.app_exception is None
+    assert not conn.response_complete
+    assert conn.status == 200
+    assert 3 <= conn.body_chunks < 1000
+
+
+@pytest.mark.parametrize(
+    ("after", "expected"),
+    [("replay", ["http.disconnect"] * 3), ("block", ["http.disconnect", "blocked", "blocked"])],
+)
+async def test_after_disconnect_modes_mimic_servers(after: str, expected: list[str]) -> None:
+    conn = ClientConnection(b"x", after_disconnect=after)  # type: ignore[arg-type]
+    assert (await conn.receive())["body"] == b"x"
+    conn.disconnect()
+    seen: list[str] = []
+    for _ in range(3):
+        with anyio.move_on_after(0.05):
+            seen.append((await conn.receive())["type"])
+            continue
+        seen.append("blocked")
+    assert seen == expected
+
+
+async def test_body_chunks_slow_upload_and_disconnect_after_response() -> None:
+    conn = ClientConnection([b"a", b"b"], body_delay=0.01)
+    got: list[Message] = [await conn.receive(), await conn.receive()]
+    assert [(m["body"], m["more_body"]) for m in got] == [(b"a", True), (b"b", False)]
+    assert not conn.disconnected
+    await conn.send({"type": "http.response.start", "status": 204, "headers": []})
+    await conn.send({"type": "http.response.body", "body": b""})
+    assert conn.response_complete
+    assert conn.disconnected  # what every HTTP/1.1 server does after a response
+    with anyio.fail_after(1):
+        assert await conn.receive() == {"type": "http.disconnect"}
+    await conn.send({"type": "http.response.body", "body": b"late"})
+    assert len(conn.sent) == 2  # dropped, as servers do
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"after_disconnect": "sometimes"}, "after_disconnect"),
+        ({"body_delay": -1}, "body_delay"),
+        ({"body_delay": float("nan")}, "body_delay"),
+    ],
+)
+def test_bad_options_are_value_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ClientConnection(**kwargs)  # type: ignore[arg-type]
+
+
+def test_http_scope_is_valid() -> None:
+    scope = http_scope("POST", "/a b", headers=[(b"x", b"1")], spec_version="2.4")
+    assert scope["type"] == "http"
+    assert scope["raw_path"] == b"/a b"
+    assert scope["asgi"] == {"version": "3.0", "spec_version": "2.4"}
+    assert scope["headers"] == [(b"x", b"1")]
