@@ -10,7 +10,7 @@ from typing import Any
 
 from ._cycle import Cycle, OnCancelled, describe, logger
 from ._token import _current
-from ._types import ASGIApp, Receive, Scope, Send
+from ._types import AnyASGIApp, Receive, Scope, Send
 
 _get_running_loop = asyncio.events._get_running_loop
 _current_task = asyncio.current_task
@@ -50,7 +50,7 @@ class CancelOnDisconnectMiddleware:
 
     def __init__(
         self,
-        app: ASGIApp,
+        app: AnyASGIApp,
         *,
         read_ahead: int = DEFAULT_READ_AHEAD,
         grace: float = DEFAULT_GRACE,

@@ -10,3 +10,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+# What the middleware accepts as the app it wraps: loose on purpose, so apps typed with their
+# own scope TypedDicts (Quart, hypercorn's types, asgiref.typing) type-check when wrapped.
+AnyASGIApp = Callable[[Any, Any, Any], Awaitable[Any]]

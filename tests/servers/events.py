@@ -1,0 +1,144 @@
+"""The side channel between the apps running inside a server process and the tests.
+
+The apps append one JSON line per event to the file named by `$ASGI_CANCEL_EVENTS`, stamped
+with `time.monotonic()`. On Linux that clock is shared by every process, so a client's close
+and an app's `CancelledError` are on one time line. The tests poll the file (`EventLog`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Event = dict[str, Any]
+
+EVENTS_ENV = "ASGI_CANCEL_EVENTS"
+NO_ID = "-"
+
+_fd: int | None = None
+
+
+# -- the app side (inside the server process) ---------------------------------------------------
+def record(request_id: str, event: str, **fields: Any) -> None:
+    """Append one event; a single `write` on an O_APPEND file, so threads cannot interleave."""
+    global _fd
+    now = time.monotonic()
+    if _fd is None:
+        _fd = os.open(os.environ[EVENTS_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    line = json.dumps({"id": request_id, "event": event, "t": now, **fields})
+    os.write(_fd, line.encode() + b"\n")
+
+
+def query_param(scope: Scope, name: str, default: str = "") -> str:
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(name)
+    return values[0] if values else default
+
+
+def request_id(scope: Scope) -> str:
+    return query_param(scope, "id", NO_ID)
+
+
+def record_hook(scope: Scope, *, reason: str, elapsed: float, response_started: bool) -> None:
+    """The middleware's `on_cancelled` hook."""
+    record(
+        request_id(scope),
+        "hook",
+        reason=reason,
+        elapsed=elapsed,
+        response_started=response_started,
+    )
+
+
+def recording_exit(app: ASGIApp) -> ASGIApp:
+    """Record how the whole app (middleware included) ended: the server sees exactly this."""
+
+    async def app_with_exit_record(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        rid = request_id(scope)
+        try:
+            await app(scope, receive, send)
+        except BaseException as exc:
+            record(rid, "exit", outcome=type(exc).__name__)
+            raise
+        record(rid, "exit", outcome="returned")
+
+    return app_with_exit_record
+
+
+async def serve_lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def log_cancellations_to_stderr() -> None:
+    """Show the middleware's one INFO line per cancelled request in the server's output."""
+    logger = logging.getLogger("asgi_cancel")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("asgi_cancel %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+# -- the test side --------------------------------------------------------------------------------
+class EventLog:
+    """Read the events the apps recorded; every wait has a deadline."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def all(self) -> list[Event]:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return []
+        # A line is complete only once its newline is written.
+        lines = data.split(b"\n")[:-1]
+        return [json.loads(line) for line in lines]
+
+    def of(self, request_id: str, event: str | None = None) -> list[Event]:
+        return [
+            item
+            for item in self.all()
+            if item["id"] == request_id and (event is None or item["event"] == event)
+        ]
+
+    def wait_for(
+        self,
+        request_id: str,
+        event: str,
+        *,
+        timeout: float,
+        where: Callable[[Event], bool] | None = None,
+    ) -> Event:
+        deadline = time.monotonic() + timeout
+        while True:
+            for item in self.of(request_id, event):
+                if where is None or where(item):
+                    return item
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"no {event!r} event for request {request_id} within {timeout} s; "
+                    f"its events: {self.of(request_id)}"
+                )
+            time.sleep(0.005)

@@ -1,0 +1,142 @@
+"""A raw ASGI app that runs on asyncio and trio servers alike.
+
+Served as `servers.probe_app:app` by every server under test. Each endpoint records what
+happens to it through `events.record`, keyed by the `id` query parameter:
+
+- `/hello`: 200 "hello" at once.
+- `/slow?t=30`: sleeps `t` seconds, then answers 200 "slow done".
+- `/stream`: a chunk every 20 ms for up to 30 s.
+- `/bg?work=0.3`: answers 200 "bg" at once, then keeps working `work` seconds (post-response
+  work, as Starlette's `BackgroundTasks`), recording whether the token was cancelled.
+- `/upload?read=1`: reads the whole body first (or, with `read=0`, sleeps first), then sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import sniffio
+import trio
+
+from asgi_cancel import CancelOnDisconnectMiddleware, current_token
+
+from .events import (
+    Receive,
+    Scope,
+    Send,
+    log_cancellations_to_stderr,
+    query_param,
+    record,
+    record_hook,
+    recording_exit,
+    request_id,
+    serve_lifespan,
+)
+
+CHUNK = b"chunk\n"
+CHUNK_INTERVAL = 0.02
+CANCELLED = (asyncio.CancelledError, trio.Cancelled)
+
+
+async def sleep(seconds: float) -> None:
+    # Not anyio.sleep: its first call imports anyio's backend module, which blocks the event
+    # loop for tens of ms, right when the first test closes its connection.
+    if sniffio.current_async_library() == "trio":
+        await trio.sleep(seconds)
+    else:
+        await asyncio.sleep(seconds)
+
+
+async def send_text(send: Send, status: int, text: bytes, *, more_body: bool = False) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"text/plain"),
+                (b"content-length", str(len(text)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": text, "more_body": more_body})
+
+
+async def slow(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
+    record(rid, "start")
+    await sleep(float(query_param(scope, "t", "30")))
+    await send_text(send, 200, b"slow done")
+
+
+async def stream(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/plain")],
+        }
+    )
+    record(rid, "start")
+    for _ in range(int(30 / CHUNK_INTERVAL)):
+        await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
+        await sleep(CHUNK_INTERVAL)
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def background(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
+    record(rid, "start")
+    await send_text(send, 200, b"bg")
+    # The response is complete: the client may now leave, this work must not be cancelled.
+    await sleep(float(query_param(scope, "work", "0.3")))
+    token = current_token()
+    record(rid, "bg_done", token_cancelled=token.cancelled)
+
+
+async def upload(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
+    record(rid, "start")
+    if query_param(scope, "read", "1") == "0":
+        await sleep(30)
+    received = 0
+    more_body = True
+    while more_body:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            # The middleware should have cancelled us instead of handing this over.
+            record(rid, "disconnect_message", received=received)
+            return
+        received += len(message.get("body", b""))
+        more_body = message.get("more_body", False)
+        record(rid, "received", received=received)
+    await sleep(30)
+    await send_text(send, 200, b"upload done")
+
+
+async def hello(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
+    await send_text(send, 200, b"hello")
+
+
+ROUTES = {"/slow": slow, "/stream": stream, "/bg": background, "/upload": upload}
+
+
+async def probe(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        await serve_lifespan(receive, send)
+        return
+    rid = request_id(scope)
+    endpoint = ROUTES.get(scope["path"], hello)
+    try:
+        await endpoint(rid, scope, receive, send)
+    except CANCELLED as exc:
+        token = current_token()
+        record(
+            rid,
+            "cancelled",
+            exc=type(exc).__name__,
+            token_cancelled=token.cancelled,
+            reason=token.reason,
+        )
+        raise
+    record(rid, "done")
+
+
+log_cancellations_to_stderr()
+app = recording_exit(CancelOnDisconnectMiddleware(probe, on_cancelled=record_hook))
