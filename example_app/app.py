@@ -1,0 +1,254 @@
+"""The OpenAI-compatible Starlette app, wrapped in `CancelOnDisconnectMiddleware`.
+
+The endpoints hold no cancellation logic beyond `engine_request` (which enters
+`asgi_cancel.vllm.abort_on_cancel`): when the client goes, the middleware fires the request's
+token, the engine request is aborted by id at once, and the handler task is cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from asgi_cancel import CancelOnDisconnectMiddleware
+
+from . import metrics
+from .departures import DepartureRecorder, engine_request
+from .engine import Engine, EngineRequestError, RequestOutput
+from .openai_errors import (
+    EXCEPTION_HANDLERS,
+    OpenAIError,
+    aborted,
+    as_openai_error,
+    from_engine_error,
+)
+from .openai_request import GenerationRequest, Kind, parse_json_body, parse_request
+from .openai_response import DONE, Responder, sse
+
+MAX_BODY = 1024 * 1024
+
+
+def create_app(engine: Engine, *, model_name: str, cancel_on_disconnect: bool = True) -> ASGIApp:
+    """The ASGI app: OpenAI routes over `engine`, with or without the middleware.
+
+    Args:
+        engine: the engine to serve (started and stopped by the app's lifespan).
+        model_name: the one model name clients must send (`/v1/models` lists it).
+        cancel_on_disconnect: wrap the app in `CancelOnDisconnectMiddleware`. When False
+            (the demo's baseline), a `DepartureRecorder` only notes when clients leave.
+    """
+    server = _Server(engine, model_name, cancel_on_disconnect)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", server.model, methods=["GET"]),
+            Route("/health", server.health, methods=["GET"]),
+            Route("/metrics", server.metrics, methods=["GET"]),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    if not cancel_on_disconnect:
+        return DepartureRecorder(app)
+    return CancelOnDisconnectMiddleware(app, on_cancelled=server.count_cancelled)
+
+
+class _Server:
+    def __init__(self, engine: Engine, model_name: str, cancel_on_disconnect: bool) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.cancel_on_disconnect = cancel_on_disconnect
+        self.cancelled = 0
+        self.started = int(time.time())
+
+    def count_cancelled(self, scope: Scope, **details: object) -> None:
+        self.cancelled += 1
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.model_name:
+            raise OpenAIError(
+                404,
+                f"The model `{request.path_params['model']}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "asgi-cancel-example",
+            "max_model_len": self.engine.max_model_len,
+        }
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {"status": "ok", "engine": self.engine.name, "middleware": self.cancel_on_disconnect}
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        text = metrics.render(
+            self.engine.stats(),
+            engine=self.engine.name,
+            middleware=self.cancel_on_disconnect,
+            cancelled=self.cancelled,
+        )
+        return Response(text, media_type=metrics.CONTENT_TYPE)
+
+    async def _generate(self, request: Request, kind: Kind) -> Response:
+        generation = parse_request(
+            kind,
+            parse_json_body(await _read_body(request)),
+            models=(self.model_name,),
+            max_model_len=self.engine.max_model_len,
+            count_prompt_tokens=self.engine.count_prompt_tokens,
+        )
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        responder = Responder(generation, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        try:
+            params = self.engine.sampling_params(generation.sampling)
+        except EngineRequestError as error:
+            raise from_engine_error(error) from None
+        if generation.stream:
+            return await self._stream(generation, params, responder)
+        return await self._complete(generation, params, responder)
+
+    async def _complete(
+        self, generation: GenerationRequest, params: object, responder: Responder
+    ) -> Response:
+        request_id = responder.response_id
+        final: RequestOutput | None = None
+        try:
+            async with (
+                engine_request(self.engine, request_id),
+                aclosing(self.engine.generate(generation.prompt, params, request_id)) as outputs,
+            ):
+                async for output in outputs:
+                    final = output
+        except EngineRequestError as error:
+            raise from_engine_error(error) from None
+        if final is None or final.outputs[0].finish_reason == "abort":
+            raise aborted()
+        completion = final.outputs[0]
+        body = responder.whole(
+            completion.text,
+            completion.finish_reason,
+            len(final.prompt_token_ids),
+            len(completion.token_ids),
+        )
+        return JSONResponse(body)
+
+    async def _stream(
+        self, generation: GenerationRequest, params: object, responder: Responder
+    ) -> Response:
+        events = self._events(generation, params, responder)
+        # Headers wait for the first output, so an engine error is still an HTTP status, as
+        # with OpenAI. (This queue-and-prefill window is also one that Starlette's own
+        # StreamingResponse disconnect listener, which starts with the response, cannot see.)
+        first = await anext(events)
+        return EventStreamResponse(first, events)
+
+    async def _events(
+        self, generation: GenerationRequest, params: object, responder: Responder
+    ) -> AsyncGenerator[bytes, None]:
+        request_id = responder.response_id
+        sent = 0
+        first = True
+        final: RequestOutput | None = None
+        async with (
+            engine_request(self.engine, request_id),
+            aclosing(self.engine.generate(generation.prompt, params, request_id)) as outputs,
+        ):
+            try:
+                async for final in outputs:
+                    completion = final.outputs[0]
+                    if completion.finish_reason == "abort":
+                        raise aborted()
+                    delta, sent = completion.text[sent:], len(completion.text)
+                    yield responder.chunks(delta, completion.finish_reason, first=first)
+                    first = False
+            except Exception as exc:
+                error = as_openai_error(exc)
+                if first:
+                    raise error from None  # before the headers: an HTTP error status
+                yield sse(error.body())  # after them: an error event, as OpenAI sends
+                return
+        if generation.include_usage and final is not None:
+            tokens = len(final.outputs[0].token_ids)
+            yield responder.usage_chunk(len(final.prompt_token_ids), tokens)
+        yield DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response whose events are always closed, so the engine request is always ended.
+
+    Starlette stops iterating when the client leaves (below ASGI spec 2.4) or on cancellation,
+    which can leave `events` suspended; closing it runs its cleanup (engine abort) at once.
+    """
+
+    def __init__(self, first: bytes, events: AsyncGenerator[bytes, None]) -> None:
+        self._events = events
+        super().__init__(
+            self._chain(first, events),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    @staticmethod
+    async def _chain(first: bytes, events: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+        yield first
+        async for event in events:
+            yield event
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise _too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise _too_large()
+    return bytes(body)
+
+
+def _too_large() -> OpenAIError:
+    return OpenAIError(413, f"Request body too large: the limit is {MAX_BODY} bytes.")

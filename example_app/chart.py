@@ -1,0 +1,65 @@
+"""The demo's PNG: waste, latency, throughput, and the engine's batch over time, side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display needed
+
+import matplotlib.pyplot as plt
+
+from .load import Load, Run
+
+COLORS = ("#2a9d8f", "#e76f51")  # with, without
+
+
+def write_chart(path: Path, load: Load, runs: list[Run]) -> None:
+    from .demo import summarize
+
+    summaries = [summarize(run) for run in runs]
+    labels = [run.label for run in runs]
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7.5), layout="constrained")
+    figure.suptitle(
+        f"asgi-cancel demo: {load.clients} clients, {summaries[0].left} leave early "
+        f"({load.max_tokens} tokens per request)"
+    )
+
+    wasted = axes[0][0]
+    bars = wasted.bar(labels, [s.wasted for s in summaries], color=COLORS)
+    wasted.bar_label(bars, fmt="{:,.0f}")
+    wasted.set_title("tokens generated for clients that had gone")
+    wasted.set_ylabel("tokens")
+
+    latency = axes[0][1]
+    width = 0.38
+    for index, (label, summary) in enumerate(zip(labels, summaries, strict=True)):
+        offsets = [position + (index - 0.5) * width for position in (0, 1)]
+        bars = latency.bar(
+            offsets, [summary.p50, summary.p99], width, label=label, color=COLORS[index]
+        )
+        latency.bar_label(bars, fmt="{:.2f}")
+    latency.set_xticks([0, 1], ["p50", "p99"])
+    latency.set_title("latency of the clients that stayed")
+    latency.set_ylabel("seconds")
+    latency.legend()
+
+    throughput = axes[1][0]
+    bars = throughput.bar(labels, [s.throughput for s in summaries], color=COLORS)
+    throughput.bar_label(bars, fmt="{:,.0f}")
+    throughput.set_title("throughput of the clients that stayed")
+    throughput.set_ylabel("tokens / second")
+
+    timeline = axes[1][1]
+    for run, color in zip(runs, COLORS, strict=True):
+        times = [sample.at for sample in run.timeline]
+        timeline.plot(times, [s.running for s in run.timeline], color=color, label=run.label)
+        timeline.plot(times, [s.waiting for s in run.timeline], color=color, linestyle=":")
+    timeline.set_title("engine: running (solid) and waiting (dotted) requests")
+    timeline.set_xlabel("seconds since the first client")
+    timeline.set_ylabel("requests")
+    timeline.legend()
+
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

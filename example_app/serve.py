@@ -1,0 +1,126 @@
+"""`python -m example_app serve`: build the engine and the app, run hypercorn or uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import Any, cast
+
+from starlette.types import ASGIApp
+
+from .app import create_app
+from .engine import Engine
+from .sim_engine import SimulatedEngine
+
+SERVERS = ("hypercorn", "uvicorn")
+ENGINES = ("sim", "vllm")
+SIM_MODEL_NAME = "sim-llm"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="default: 8000")
+    parser.add_argument("--server", choices=SERVERS, default="hypercorn")
+    parser.add_argument(
+        "--no-middleware",
+        dest="middleware",
+        action="store_false",
+        help="run WITHOUT CancelOnDisconnectMiddleware (the demo's baseline)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="sim",
+        help="sim: the simulated engine (default); vllm: real vLLM AsyncLLM (needs --model)",
+    )
+    parser.add_argument("--model", help="vLLM model path or name (--engine vllm)")
+    parser.add_argument(
+        "--model-name",
+        help=f"model name clients send (default: {SIM_MODEL_NAME!r}, or --model for vllm)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, help="prompt + completion tokens (sim default: 4096)"
+    )
+    sim = parser.add_argument_group("simulated engine")
+    sim.add_argument(
+        "--step-time", type=float, default=0.01, help="seconds per engine step (default: 0.01)"
+    )
+    sim.add_argument(
+        "--max-batch-size", type=int, default=8, help="requests generating at once (default: 8)"
+    )
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
+    """The engine the arguments ask for, and the model name to serve it as."""
+    if args.engine == "vllm":
+        if not args.model:
+            raise SystemExit("--engine vllm needs --model PATH")
+        from .vllm_engine import VllmEngine  # imports vllm only when asked for
+
+        engine = VllmEngine(args.model, max_model_len=args.max_model_len)
+        return engine, args.model_name or args.model
+    simulated = SimulatedEngine(
+        step_time=args.step_time,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len or 4096,
+    )
+    return simulated, args.model_name or SIM_MODEL_NAME
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        engine, model_name = build_engine(args)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    app = create_app(engine, model_name=model_name, cancel_on_disconnect=args.middleware)
+    logging.getLogger("example_app").info(
+        "serving %r (%s engine) on http://%s:%d with %s, CancelOnDisconnectMiddleware %s",
+        model_name,
+        engine.name,
+        args.host,
+        args.port,
+        args.server,
+        "ON" if args.middleware else "OFF",
+    )
+    if args.server == "uvicorn":
+        run_uvicorn(app, args.host, args.port, args.log_level)
+    else:
+        asyncio.run(run_hypercorn(app, args.host, args.port))
+    return 0
+
+
+async def run_hypercorn(app: ASGIApp, host: str, port: int) -> None:
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.errorlog = logging.getLogger("hypercorn.error")  # through the root handler, once
+    config.graceful_timeout = 2.0
+    config.startup_timeout = 600.0  # a vLLM engine can take a minute or more to start
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await serve(cast(Any, app), config, shutdown_trigger=stop.wait, mode="asgi")
+
+
+def run_uvicorn(app: ASGIApp, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
+    uvicorn.Server(config).run()

@@ -1,0 +1,20 @@
+"""Real example servers (`python -m example_app serve`) as subprocesses on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from example_app.launch import ServerProcess
+
+SERVERS = ("hypercorn", "uvicorn")
+MODEL = "sim-llm"
+
+
+@pytest.fixture(scope="module", params=SERVERS)
+def api_server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """The example server with the middleware and fast engine steps, always terminated."""
+    args = ("--step-time", "0.002", "--log-level", "warning")
+    with ServerProcess(*args, server=request.param) as process:
+        yield process

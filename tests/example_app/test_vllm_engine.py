@@ -1,0 +1,103 @@
+"""`serve --engine vllm`: the same endpoints over real vLLM, and a client timeout aborts it.
+
+Runs where vLLM is installed (`.venv-vllm`, with `httpx` added); skipped elsewhere. The engine
+takes about a minute to start on 2 cores, so one server serves the whole module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from example_app.launch import PACKAGE_ROOT, ServerProcess
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="real vLLM is not installed here (it is in .venv-vllm)",
+    ),
+]
+
+MODEL_DIR = PACKAGE_ROOT / ".models" / "tiny-llama"
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def vllm_server() -> Iterator[ServerProcess]:
+    # In a subprocess: building imports torch and transformers, which warn on import.
+    subprocess.run(
+        [sys.executable, "-m", "example_app.tiny_model", str(MODEL_DIR)],
+        cwd=PACKAGE_ROOT,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    args = ["--engine", "vllm", "--model", str(MODEL_DIR), "--model-name", NAME]
+    args += ["--max-model-len", "2048", "--log-level", "warning"]
+    # uvicorn: it comes with vLLM, hypercorn does not.
+    with ServerProcess(*args, server="uvicorn", ready_timeout=400.0, env=VLLM_ENV) as process:
+        yield process
+
+
+@pytest.fixture
+def client(vllm_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{vllm_server.base_url}/v1", api_key="test", max_retries=0, timeout=60.0
+    ) as client:
+        yield client
+
+
+def test_endpoints_parse_as_openai(client: openai.OpenAI) -> None:
+    completion = client.completions.create(model=NAME, prompt="Hello", max_tokens=8)
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 8
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    with stream:
+        chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_client_timeout_aborts_the_vllm_request(
+    vllm_server: ServerProcess, client: openai.OpenAI
+) -> None:
+    before = vllm_server.metrics()
+    max_tokens = 2000  # several seconds on a CPU
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model=NAME, prompt="Hello", max_tokens=max_tokens, timeout=0.5)
+    deadline = time.monotonic() + 10.0
+    while vllm_server.metrics()["example_engine_requests_running"]:
+        assert time.monotonic() < deadline, "the vLLM request is still running"
+        time.sleep(0.02)
+    after = vllm_server.metrics()
+
+    def delta(name: str) -> float:
+        return after[f"example_engine_{name}_total"] - before[f"example_engine_{name}_total"]
+
+    assert delta("requests_aborted") == 1
+    assert delta("clients_gone") == 1
+    assert delta("tokens_generated") < max_tokens
+    assert delta("tokens_wasted") <= 6  # about one engine step
