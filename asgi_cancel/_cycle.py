@@ -6,6 +6,7 @@ The event-loop specific parts (parking, cancelling the app, timers) live in the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -65,7 +66,7 @@ class Cycle(CancelToken):
         # CancelToken's fields, set here rather than through super().__init__() (hot path).
         self._cancelled = False
         self._reason: str | None = None
-        self._callbacks: dict[object, Callable[[], object]] | None = None
+        self._callbacks: dict[object, Any] | None = None
         self._shield_depth = 0
         self._deferred = False
         self.buffer: deque[Message] | None = None
@@ -161,10 +162,23 @@ class Cycle(CancelToken):
     # -- the watcher ---------------------------------------------------------------------------
     async def watch(self) -> None:
         """Hold the server's receive until the disconnect, reading the body ahead (bounded)."""
+        try:
+            await self._watch()
+        finally:
+            # Whatever ended the watch, app callers parked behind it must re-check: they may
+            # now have to read the server's receive themselves.
+            self.wake()
+
+    async def _watch(self) -> None:
         receive = self.real_receive
+        read_ahead = self.config.read_ahead
         extra = 0
         while self.disconnect is None and not self.done:
-            if self.reading or (not self.body_complete and self.buffered >= self.config.read_ahead):
+            # At least one message is read ahead whatever `read_ahead` says: a request with no
+            # body is watched from the start.
+            if self.reading or (
+                not self.body_complete and self.buffered and self.buffered >= read_ahead
+            ):
                 await self.park()
                 continue
             self.reading = True
@@ -203,12 +217,16 @@ class Cycle(CancelToken):
             # The app is listening itself when it waits in receive() after the whole body
             # (Starlette's StreamingResponse below spec 2.4, vLLM's with_cancellation): give it
             # the message first, and cancel only what still runs after the grace period.
-            listening = self.body_complete and self.app_waiting > 0
-            self.fire()
-            if listening:
-                self.schedule_grace()
-            else:
-                self._request_cancel()
+            # Callers already handed a buffered message (woken, not yet resumed) are not
+            # listening: they are still reading the body.
+            listening = self.body_complete and self.app_waiting > len(self.buffer or ())
+            try:
+                self.fire()
+            finally:
+                if listening:
+                    self.schedule_grace()
+                else:
+                    self._request_cancel()
         self.wake()
 
     def fire(self) -> None:
@@ -231,7 +249,7 @@ class Cycle(CancelToken):
                     elapsed=elapsed,
                     response_started=self.response_started,
                 )
-            except Exception:
+            except (Exception, asyncio.CancelledError):
                 logger.exception("asgi_cancel: on_cancelled hook raised")
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import sys
 from collections.abc import Awaitable
 from typing import Any
 
 from ._cycle import Cycle, OnCancelled, describe, logger
-from ._token import _current
+from ._token import _current, _spawn_detached
 from ._types import AnyASGIApp, Receive, Scope, Send
 
 _get_running_loop = asyncio.events._get_running_loop
@@ -96,24 +97,40 @@ class CancelOnDisconnectMiddleware:
         batch = self._batch
         if batch is None or batch[0] is not loop:
             batch = self._batch = (loop, [])
-            loop.call_soon(self._start_watchers, batch)
+            # An empty context: the watchers it starts must not inherit one request's context
+            # variables (a request id in a log line) and apply them to another request.
+            loop.call_soon(self._start_watchers, batch, context=contextvars.Context())
         batch[1].append(cycle)
         reset = _current.set(cycle)
         try:
             await self.app(scope, cycle.receive, cycle.send)
         except asyncio.CancelledError:
-            if not cycle.cancel_issued:
+            if cycle.cancel_issued:
+                if _HAS_UNCANCEL and task.uncancel():  # type: ignore[union-attr,unused-ignore]
+                    raise  # ours, and someone else's too
+            elif not cycle._cancelled or (_HAS_UNCANCEL and task.cancelling()):  # type: ignore[union-attr,unused-ignore]
                 raise  # not ours: server shutdown or an outer timeout
-            if _HAS_UNCANCEL and task.uncancel():  # type: ignore[union-attr,unused-ignore]
-                raise  # ours, and someone else's too
+            # Otherwise the app raised it itself once the client had gone (raise_if_cancelled()
+            # in a worker thread during the grace period or a shield): absorbed like ours.
+        except BaseException:
+            if cycle.cancel_issued and _HAS_UNCANCEL:
+                task.uncancel()  # type: ignore[union-attr,unused-ignore]  # turned into an error
+            raise
         else:
             if cycle.cancel_issued and _HAS_UNCANCEL:
                 task.uncancel()  # type: ignore[union-attr,unused-ignore]  # app swallowed it
         finally:
             cycle.done = True
-            if cycle.watcher is not None or cycle.grace_timer is not None or cycle.spawned:
-                await cycle.finish()
-            _current.reset(reset)
+            if cycle._callbacks is not None:
+                # Each holds a copy of the request's context, which holds the cycle: cleared
+                # so that a finished request is freed by reference counting alone.
+                cycle._callbacks.clear()
+                cycle._callbacks = None
+            try:
+                if cycle.watcher is not None or cycle.grace_timer is not None or cycle.spawned:
+                    await cycle.finish()
+            finally:
+                _current.reset(reset)
 
     def _start_watchers(self, batch: tuple[asyncio.AbstractEventLoop, list[_AsyncioCycle]]) -> None:
         if self._batch is batch:
@@ -124,6 +141,10 @@ class CancelOnDisconnectMiddleware:
                 cycle.watcher = loop.create_task(cycle.watch())
 
 
+_CLOSED: frozenset[asyncio.Task[object]] = frozenset()
+_GRACE_HOPS = 3
+
+
 class _AsyncioCycle(Cycle):
     __slots__ = ()
 
@@ -132,7 +153,7 @@ class _AsyncioCycle(Cycle):
     lot: list[asyncio.Future[None]] | None
     watcher: asyncio.Task[None] | None
     grace_timer: asyncio.TimerHandle | None
-    spawned: set[asyncio.Task[object]] | None
+    spawned: set[asyncio.Task[object]] | frozenset[asyncio.Task[object]] | None
 
     async def park(self) -> None:
         future = self.task.get_loop().create_future()
@@ -156,12 +177,35 @@ class _AsyncioCycle(Cycle):
     def _cancel_app(self) -> None:
         if self.done or self.cancel_issued:
             return
+        task = self.task
+        if _HAS_UNCANCEL and task.cancelling():  # type: ignore[attr-defined,unused-ignore]
+            # Someone else is cancelling the app (server shutdown, an anyio scope): a second
+            # cancel would interrupt the cleanup it is running. Ask again once that is over.
+            task.get_loop().call_later(0.005, self._cancel_app)
+            return
         self.cancel_issued = True
-        self.task.cancel()  # once: edge-triggered, so the app's cleanup can await freely
+        task.cancel()  # once: edge-triggered, so the app's cleanup can await freely
+
+    def _cancel_app_soon(self) -> None:
+        # From inside the app (a shield() exit): if the app then returns without awaiting, a
+        # cancel issued now would land in the server's code instead. One hop lets `done` win.
+        self.task.get_loop().call_soon(self._cancel_app)
 
     def schedule_grace(self) -> None:
-        loop = self.task.get_loop()
-        self.grace_timer = loop.call_later(self.config.grace, self._request_cancel)
+        self.grace_timer = self.task.get_loop().call_later(
+            self.config.grace, self._grace_over, _GRACE_HOPS
+        )
+
+    def _grace_over(self, hops: int) -> None:
+        # A few more loop iterations before cancelling: on a loop that was busier than `grace`
+        # (a GC pause, a burst of engine outputs), the app's own reaction may still be queued:
+        # vLLM's with_cancellation needs three steps (listener ends, asyncio.wait completes,
+        # the wrapper resumes) before it cancels its inner handler task. Cancelling the
+        # wrapper earlier would orphan that task.
+        if hops and not self.done:
+            self.task.get_loop().call_soon(self._grace_over, hops - 1)
+        else:
+            self._request_cancel()
 
     async def checkpoint(self) -> None:
         await asyncio.sleep(0)
@@ -170,21 +214,54 @@ class _AsyncioCycle(Cycle):
         async def run() -> object:
             return await awaitable
 
-        if self.spawned is None:
-            self.spawned = set()
-        self.spawned.add(self.task.get_loop().create_task(run()))
+        spawned = self.spawned
+        if self.done and not isinstance(spawned, set):
+            # The request is over (or finishing without a finish() to wait for it).
+            _spawn_detached(awaitable)
+            return
+        if spawned is None or not isinstance(spawned, set):
+            spawned = self.spawned = set()
+        spawned.add(self.task.get_loop().create_task(run()))
 
     async def finish(self) -> None:
+        """Cancel the watcher and wait for callback tasks, even through a server shutdown."""
+        interrupted = False
         if self.grace_timer is not None:
             self.grace_timer.cancel()
+            self.grace_timer = None
         watcher = self.watcher
-        if watcher is not None and not watcher.done():
+        if watcher is not None:
+            # Dropped first: the cancelled task's traceback holds watch()'s frame, which
+            # holds this cycle, so keeping it would leave a reference cycle for the GC.
+            self.watcher = None
             watcher.cancel()
-            await asyncio.wait((watcher,))
-        while self.spawned:
+            interrupted = await _wait_out({watcher})
+        spawned = self.spawned
+        while isinstance(spawned, set) and spawned:
             # Callbacks' tasks (engine aborts) must finish: the app's cleanup may rely on them.
-            spawned, self.spawned = self.spawned, None
-            await asyncio.wait(spawned)
-            for task in spawned:
+            tasks = set(spawned)
+            interrupted = await _wait_out(tasks) or interrupted
+            spawned -= tasks
+            for task in tasks:
                 if not task.cancelled() and task.exception() is not None:
                     logger.error("asgi_cancel: on_cancel task failed", exc_info=task.exception())
+        self.spawned = _CLOSED
+        if interrupted:
+            raise asyncio.CancelledError
+
+
+async def _wait_out(tasks: set[asyncio.Task[Any]]) -> bool:
+    """Wait until `tasks` are done; return whether we were cancelled meanwhile.
+
+    Cancelled from outside (server shutdown), cancel the tasks and still wait for them to
+    end, so that none outlives the request.
+    """
+    interrupted = False
+    while tasks:
+        try:
+            _, tasks = await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            interrupted = True
+            for task in tasks:
+                task.cancel()
+    return interrupted

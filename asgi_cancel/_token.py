@@ -33,7 +33,7 @@ class CancelToken:
         # The middleware's subclass sets these same fields in its own __init__ (hot path).
         self._cancelled = False
         self._reason: str | None = None
-        self._callbacks: dict[object, Callable[[], object]] | None = None
+        self._callbacks: dict[object, _Registered] | None = None
         self._shield_depth = 0
         self._deferred = False
 
@@ -85,7 +85,9 @@ class CancelToken:
         they can stop work that the app task does not own (an engine request, a queued job).
         If the callback returns an awaitable, it is run as a task that the middleware awaits
         before the request ends, so it completes even while the app is being cancelled.
-        On a token that is already cancelled, the callback runs at once.
+        The callback runs in a copy of the context it was registered in (request ids and other
+        context variables are those of its own request). On a token that is already
+        cancelled, the callback runs at once.
 
         Args:
             callback: a function taking no arguments.
@@ -97,12 +99,12 @@ class CancelToken:
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {callback!r}")
         if self._cancelled:
-            self._run_callback(callback)
+            self._run_callback(callback, None)
             return _noop
         if self._callbacks is None:
             self._callbacks = {}
         key = object()
-        self._callbacks[key] = callback
+        self._callbacks[key] = (callback, contextvars.copy_context())
         callbacks = self._callbacks
 
         def unregister() -> None:
@@ -128,16 +130,21 @@ class CancelToken:
             return
         self._cancelled = True
         self._reason = reason
-        if self._callbacks:
-            callbacks = list(self._callbacks.values())
-            self._callbacks = None
-            for callback in callbacks:
-                self._run_callback(callback)
+        callbacks = self._callbacks
+        while callbacks:
+            # Popped one at a time: a callback may unregister one that has not run yet.
+            callback, context = callbacks.pop(next(iter(callbacks)))
+            self._run_callback(callback, context)
+        self._callbacks = None
 
-    def _run_callback(self, callback: Callable[[], object]) -> None:
+    def _run_callback(
+        self, callback: Callable[[], object], context: contextvars.Context | None
+    ) -> None:
         try:
-            result = callback()
-        except Exception:
+            result = callback() if context is None else context.run(callback)
+        except (Exception, asyncio.CancelledError):
+            # CancelledError too (on_cancel(token.raise_if_cancelled)): it must not stop the
+            # other callbacks, nor the app's cancellation that follows.
             logger.exception("asgi_cancel: on_cancel callback %r raised", callback)
             return
         if inspect.isawaitable(result):
@@ -153,6 +160,10 @@ class CancelToken:
     def _cancel_app(self) -> None:
         """Cancel the request's app task; a token without a middleware has none."""
 
+    def _cancel_app_soon(self) -> None:
+        """Cancel the app from inside it (a `shield()` block's exit), without racing its end."""
+        self._cancel_app()
+
     def _spawn(self, awaitable: Awaitable[object], /) -> None:
         """Run an awaitable returned by an `on_cancel` callback (best effort on asyncio)."""
         _spawn_detached(awaitable)
@@ -160,6 +171,9 @@ class CancelToken:
 
 def _noop() -> None:
     pass
+
+
+_Registered = tuple[Callable[[], object], contextvars.Context]
 
 
 _detached: set[asyncio.Task[object]] = set()
@@ -216,4 +230,4 @@ def shield() -> Iterator[CancelToken | None]:
         token._shield_depth -= 1
         if not token._shield_depth and token._deferred:
             token._deferred = False
-            token._cancel_app()
+            token._cancel_app_soon()

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import sys
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import trio
 
-from ._cycle import Config, Cycle
+from ._cycle import Config, Cycle, logger
 from ._token import _current
 from ._types import Receive, Scope, Send
+
+if sys.version_info < (3, 11):  # trio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
     from ._middleware import CancelOnDisconnectMiddleware
@@ -28,14 +34,25 @@ async def run_trio(
             try:
                 with cycle.app_scope:
                     await middleware.app(scope, cycle.receive, cycle.send)
+            except asyncio.CancelledError:
+                # raise_if_cancelled() in a worker thread: asyncio's exception, trio's meaning.
+                if not cycle._cancelled:
+                    raise
             except BaseException as exc:  # re-raised below, outside the nursery's group
                 error = exc
             finally:
                 cycle.done = True
                 cycle.watch_scope.cancel()
                 cycle.grace_scope.cancel()
+    except BaseExceptionGroup as group:
+        # An outside cancellation also cancels the watcher; its Cancelled must not replace
+        # the app's own exception.
+        _, rest = group.split(trio.Cancelled)
+        if error is None or rest is not None:
+            raise
     finally:
         _current.reset(reset)
+        cycle.nursery = None
     if error is not None:
         raise error
 
@@ -84,7 +101,14 @@ class _TrioCycle(Cycle):
 
     def _spawn(self, awaitable: Awaitable[object], /) -> None:
         async def run() -> None:
-            await awaitable
+            try:
+                await awaitable
+            except Exception:
+                logger.exception("asgi_cancel: on_cancel task failed")
 
-        if self.nursery is not None:
-            self.nursery.start_soon(run)
+        if self.nursery is None:
+            logger.warning("asgi_cancel: on_cancel awaitable after the request ended; not run")
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()
+            return
+        self.nursery.start_soon(run)

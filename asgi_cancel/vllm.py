@@ -2,9 +2,9 @@
 
 Cancelling the task that iterates `AsyncLLM.generate()` already aborts that one request. This
 adapter covers what a task cancellation does not reach: generators iterated in other tasks
-(merged prompts, background producers), requests still queued in the scheduler, and vLLM's
-own `with_cancellation`, whose inner handler task outlives its wrapper. It aborts by request id
-the moment the client disconnects, from the disconnect itself.
+(merged prompts, background producers), requests still queued in the scheduler, and handlers
+run under vLLM's `with_cancellation`, whose inner task can outlive its wrapper. It aborts by
+request id the moment the client disconnects, from the disconnect itself.
 
 Nothing here imports vLLM: an engine is anything with `generate` and `abort` (`EngineClient`),
 so `vllm.v1.engine.async_llm.AsyncLLM`, vLLM's `EngineClient` and test doubles all fit.
@@ -74,30 +74,51 @@ async def abort_on_cancel(
     Raises:
         TypeError: a request id is not a `str`.
     """
+    async with _aborting(engine, request_ids) as (token, _):
+        yield token
+
+
+class _Abort:
+    """One `engine.abort(ids)`, run by the token at the disconnect; remembers that it ran."""
+
+    __slots__ = ("done", "engine", "ids")
+
+    def __init__(self, engine: EngineClient[object], ids: list[str]) -> None:
+        self.engine = engine
+        self.ids = ids
+        self.done = False
+
+    async def run(self) -> None:
+        try:
+            await self.engine.abort(self.ids)
+        finally:
+            self.done = True
+
+
+@asynccontextmanager
+async def _aborting(
+    engine: EngineClient[object], request_ids: tuple[str, ...]
+) -> AsyncIterator[tuple[CancelToken | None, _Abort | None]]:
     for request_id in request_ids:
         if not isinstance(request_id, str):
             raise TypeError(f"request ids must be str, got {request_id!r}")
     token = _current.get(None)
     if token is None or not request_ids:
-        yield token
+        yield token, None
         return
-    ids = list(request_ids)
-
-    def abort() -> Awaitable[None]:
-        return engine.abort(ids)
-
+    abort = _Abort(engine, list(request_ids))
     if token.cancelled:
         # Entered after the disconnect (in a shield, in the grace period): an abort now would
         # precede the request, so abort what the block started if it ends by an exception.
         try:
-            yield token
+            yield token, None
         except BaseException:
-            token.on_cancel(abort)  # runs at once; the middleware awaits it
+            token.on_cancel(abort.run)  # runs at once; the middleware awaits it
             raise
         return
-    unregister = token.on_cancel(abort)
+    unregister = token.on_cancel(abort.run)
     try:
-        yield token
+        yield token, abort
     finally:
         unregister()
 
@@ -128,16 +149,18 @@ async def generate(
         The engine's outputs, unchanged.
     """
     start: Callable[..., AsyncIterator[_OutputT_co]] = engine.generate
-    async with abort_on_cancel(engine, request_id) as token:
+    async with _aborting(engine, (request_id,)) as (token, abort):
         aborted_late = False
         async for output in start(prompt, sampling_params, request_id, **kwargs):
             if (
                 token is not None
                 and token.cancelled
                 and not aborted_late
+                and (abort is None or abort.done)
                 and not getattr(output, "finished", False)
             ):
-                # Still running after the disconnect: it missed the first abort.
+                # Still running although the abort has run (or none was sent): the request
+                # reached the engine after it.
                 aborted_late = True
                 await engine.abort([request_id])
             yield output
