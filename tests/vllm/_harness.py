@@ -1,0 +1,162 @@
+"""What the real-vLLM tests share: the environment, the tiny model, a raw HTTP client.
+
+Nothing here imports vLLM; `import_vllm` does, for the modules that need it, and skips them
+(with the reason) where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import socket
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from example_app.tiny_model import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_DIR = Path(os.environ.get("ASGI_CANCEL_TINY_MODEL", REPO / ".models" / "tiny-llama"))
+
+# vLLM on a CPU machine, offline and quiet (docs/vllm.md explains each one). Set before vLLM is
+# imported: its EngineCore and worker processes are spawned with this environment.
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (whole GiB only)
+    "VLLM_HOST_IP": "127.0.0.1",  # never advertise another interface
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+for _name, _value in VLLM_ENV.items():
+    os.environ.setdefault(_name, _value)
+
+# Loose bounds for a shared 2-core machine; docs/vllm.md quotes what was measured.
+LEAVES_ENGINE_WITHIN = 2.0  # s from the disconnect to no unfinished request in the engine
+MAX_TOKENS_AFTER_DISCONNECT = 6  # per sequence that was running (about 1 engine step: 1-2)
+
+
+def import_vllm(module: str = "vllm") -> Any:
+    """Import `module` of vLLM, or skip the calling test module if vLLM is not installed.
+
+    With `ASGI_CANCEL_REQUIRE_VLLM=1` (set by .ci/vllm.sh) a missing vLLM is an error instead.
+    """
+    reason = "real vLLM is not installed here (.ci/vllm.sh installs it into .venv-vllm)"
+    required = os.environ.get("ASGI_CANCEL_REQUIRE_VLLM") == "1"
+    with warnings.catch_warnings():
+        # vLLM, torch and transformers warn on import (deprecations); not ours to fix.
+        warnings.simplefilter("ignore")
+        if required:
+            importlib.import_module("vllm")
+        vllm = pytest.importorskip("vllm", reason=reason)
+        if getattr(vllm, "__file__", None) is None:  # a namespace package, not vLLM
+            pytest.skip(reason, allow_module_level=True)
+        return importlib.import_module(module)
+
+
+def tiny_model() -> Path:
+    return build_tiny_model(MODEL_DIR)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll `predicate` every 2 ms; return the seconds it took, fail after `timeout`."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"watchdog: {what} not within {timeout} s")
+        time.sleep(0.002)
+    return time.monotonic() - start
+
+
+class RawClient:
+    """One HTTP/1.1 request over a plain socket, so that closing it really disconnects."""
+
+    def __init__(self, port: int, *, timeout: float = 30.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.received = b""
+        self.closed_at: float | None = None
+
+    def post(
+        self, path: str, payload: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> RawClient:
+        body = json.dumps(payload).encode()
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+        ).encode()
+        self.sock.sendall(head + body)
+        return self
+
+    def read_until(self, predicate: Callable[[bytes], bool], timeout: float = 30.0) -> bytes:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.received):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"watchdog: response not as expected: {self.received!r}")
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                break
+            self.received += chunk
+        return self.received
+
+    def read_all(self, timeout: float = 60.0) -> bytes:
+        with contextlib.suppress(ConnectionError):
+            self.read_until(lambda _: False, timeout)
+        return self.received
+
+    def close(self) -> float:
+        """Close the connection (FIN); return the monotonic time it happened."""
+        self.closed_at = time.monotonic()
+        self.sock.close()
+        return self.closed_at
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.closed_at is None:
+            self.close()
+
+
+def body_of(response: bytes) -> bytes:
+    """The body of a complete HTTP/1.1 response, chunked or not."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return body
+    out = b""
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out += body[:size]
+        body = body[size + 2 :]
+    return out
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+@contextlib.contextmanager
+def timed(label: str, into: dict[str, float]) -> Iterator[None]:
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        into[label] = time.monotonic() - start

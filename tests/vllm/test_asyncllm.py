@@ -1,0 +1,258 @@
+"""Real vLLM `AsyncLLM` + `asgi_cancel.vllm` behind the middleware, under uvicorn on 127.0.0.1.
+
+One engine for the module, `max_num_seqs=1`, so that a second request queues behind the first
+and n>1 children queue behind each other. Clients are raw sockets that really close. After
+each disconnect the engine must have no unfinished request within a bounded time, and the
+EngineCore must have generated only a few tokens for it after the disconnect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ._engine_app import EngineServer
+from ._harness import (
+    LEAVES_ENGINE_WITHIN,
+    MAX_TOKENS_AFTER_DISCONNECT,
+    RawClient,
+    body_of,
+    status_of,
+    tiny_model,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+LONG = 400  # tokens: about 4 s at this model's ~100 tokens/s; no test waits for it to end
+MEASURED: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EngineServer]:
+    with EngineServer(tiny_model(), max_num_seqs=1) as engine_server:
+        MEASURED["engine_startup_s"] = round(engine_server.startup_seconds, 1)
+        yield engine_server
+    report = os.environ.get("ASGI_CANCEL_VLLM_REPORT")
+    if report:
+        path = Path(report)
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        previous["asyncllm"] = MEASURED
+        path.write_text(json.dumps(previous, indent=2))
+
+
+@pytest.fixture(autouse=True)
+def idle_engine(server: EngineServer) -> Iterator[None]:
+    """Each test starts and ends with nothing in the engine."""
+    wait_for(lambda: server.unfinished() == 0, 30, "engine idle before the test")
+    yield
+    wait_for(lambda: server.unfinished() == 0, 30, "engine idle after the test")
+
+
+def new_id(label: str) -> str:
+    return f"{label}-{uuid.uuid4().hex[:10]}"
+
+
+def lines(response: bytes) -> int:
+    return response.count(b'"n":')
+
+
+def request(request_id: str, *, stream: bool, api: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "prompts": extra.pop("prompts", ["Tell me a long story about a llama."]),
+        "max_tokens": extra.pop("max_tokens", LONG),
+        "stream": stream,
+        "api": api,
+        **extra,
+    }
+
+
+def check_left_engine(server: EngineServer, request_id: str, closed_at: float) -> dict[str, float]:
+    """The request left the engine at once after the disconnect; return the measurements."""
+    probe = server.probe
+    wait_for(lambda: request_id in probe.fired, 2.0, "the middleware firing the token")
+    fired = probe.fired[request_id]
+    wait_for(
+        lambda: server.unfinished() == 0 and probe.scheduler_idle_at(fired) is not None,
+        LEAVES_ENGINE_WITHIN,
+        "the request leaving the engine",
+    )
+    aborts = probe.aborts_of(request_id)
+    assert aborts, "no abort reached the engine"
+    first_abort_at, _, internal = aborts[0]
+    assert not internal, "the first abort was vLLM's own, not the adapter's"
+    idle_at = probe.scheduler_idle_at(fired)
+    assert idle_at is not None
+    time.sleep(0.2)  # anything still generated shows up now
+    after = probe.tokens(request_id, after=fired)
+    return {
+        "close_to_fire_ms": round((fired - closed_at) * 1000, 2),
+        "fire_to_abort_ms": round((first_abort_at - fired) * 1000, 2),
+        "fire_to_engine_idle_ms": round((idle_at - fired) * 1000, 1),
+        "tokens_before": probe.tokens(request_id) - after,
+        "tokens_after": after,
+    }
+
+
+def test_disconnect_mid_stream(server: EngineServer) -> None:
+    request_id = new_id("stream")
+    client = RawClient(server.port).post(
+        "/mw/generate", request(request_id, stream=True, api="helper")
+    )
+    client.read_until(lambda response: lines(response) >= 20)
+    measured = check_left_engine(server, request_id, client.close())
+    assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
+    MEASURED["stream"] = measured
+
+
+def test_disconnect_mid_non_stream(server: EngineServer) -> None:
+    request_id = new_id("whole")
+    client = RawClient(server.port).post(
+        "/mw/generate", request(request_id, stream=False, api="cm")
+    )
+    wait_for(lambda: server.probe.tokens(request_id) >= 20, 30, "generation to start")
+    measured = check_left_engine(server, request_id, client.close())
+    assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
+    MEASURED["non_stream"] = measured
+
+
+def test_disconnect_while_queued_behind_a_long_request(server: EngineServer) -> None:
+    probe = server.probe
+    long_id, queued_id = new_id("long"), new_id("queued")
+    with RawClient(server.port) as long_client:
+        long_client.post("/mw/generate", request(long_id, stream=True, api="cm"))
+        long_client.read_until(lambda response: lines(response) >= 5)
+        queued = RawClient(server.port).post(
+            "/mw/generate", request(queued_id, stream=False, api="cm", max_tokens=50)
+        )
+        wait_for(lambda: probe.scheduler_now() == (1, 1), 30, "the second request queued")
+        closed_at = queued.close()
+        wait_for(lambda: queued_id in probe.fired, 2.0, "the middleware firing the token")
+        fired = probe.fired[queued_id]
+        wait_for(lambda: probe.scheduler_now() == (1, 0), LEAVES_ENGINE_WITHIN, "dequeue")
+        dequeued_at = probe.scheduler_at(fired, running=1, waiting=0)
+        assert dequeued_at is not None
+        assert probe.tokens(queued_id) == 0  # never scheduled
+        aborts = probe.aborts_of(queued_id)
+        assert aborts
+        assert aborts[0][1] == [queued_id]
+        assert not aborts[0][2]
+        assert server.unfinished() == 1  # the long request goes on
+        assert probe.tokens(long_id, after=fired) > 0
+        MEASURED["queued"] = {
+            "close_to_fire_ms": round((fired - closed_at) * 1000, 2),
+            "fire_to_abort_ms": round((aborts[0][0] - fired) * 1000, 2),
+            "fire_to_dequeued_ms": round((dequeued_at - fired) * 1000, 1),
+            "tokens_after": 0,
+        }
+    check_left_engine(server, long_id, long_client.closed_at or 0.0)
+
+
+def test_disconnect_with_n_3(server: EngineServer) -> None:
+    request_id = new_id("nthree")
+    client = RawClient(server.port).post(
+        "/mw/generate", request(request_id, stream=False, api="cm", n=3, max_tokens=300)
+    )
+    wait_for(lambda: server.probe.tokens(request_id) >= 10, 30, "generation to start")
+    assert server.probe.scheduler_now() == (1, 2)  # max_num_seqs=1: two children wait
+    measured = check_left_engine(server, request_id, client.close())
+    assert [ids for _, ids, internal in server.probe.aborts_of(request_id) if not internal] == [
+        [request_id]
+    ]
+    assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
+    MEASURED["n3"] = measured
+
+
+def test_disconnect_with_two_prompts_iterated_in_background_tasks(server: EngineServer) -> None:
+    """The producers are tasks nothing cancels: only the adapter's abort reaches them."""
+    request_id = new_id("prompts")
+    payload = request(request_id, stream=True, api="tasks", prompts=["A llama.", "Two llamas."])
+    client = RawClient(server.port).post("/mw/generate", payload)
+    client.read_until(lambda response: lines(response) >= 10)
+    measured = check_left_engine(server, request_id, client.close())
+    ids = [f"{request_id}-p0", f"{request_id}-p1"]
+    assert [entry[1] for entry in server.probe.aborts if entry[1] == ids] == [ids]
+    assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
+    MEASURED["two_prompts_background_tasks"] = measured
+
+
+def test_background_tasks_without_the_adapter_keep_generating(server: EngineServer) -> None:
+    """The same producers, middleware but no adapter: cancelling the app does not reach them."""
+    probe = server.probe
+    request_id = new_id("orphans")
+    payload = request(
+        request_id, stream=True, api="tasks-bare", prompts=["A llama.", "Two llamas."]
+    )
+    client = RawClient(server.port).post("/mw/generate", payload)
+    client.read_until(lambda response: lines(response) >= 10)
+    client.close()
+    wait_for(lambda: request_id in probe.fired, 2.0, "the middleware firing the token")
+    fired = probe.fired[request_id]
+    time.sleep(1.0)
+    try:
+        after = probe.tokens(request_id, after=fired)
+        assert server.unfinished() == 2
+        assert probe.aborts_of(request_id) == []
+        assert after > 30  # about 100 tokens/s, for nobody
+        MEASURED["two_prompts_background_tasks_no_adapter_tokens_in_1s"] = after
+    finally:
+        server.abort(f"{request_id}-p0", f"{request_id}-p1")
+
+
+@pytest.mark.parametrize(
+    ("stream", "api"),
+    [(True, "helper"), (False, "cm"), (True, "tasks")],
+    ids=["stream-helper", "non-stream-cm", "stream-tasks"],
+)
+def test_completed_request_is_never_aborted(server: EngineServer, stream: bool, api: str) -> None:
+    request_id = new_id("complete")
+    with RawClient(server.port) as client:
+        client.post("/mw/generate", request(request_id, stream=stream, api=api, max_tokens=30))
+        response = client.read_all()
+    assert status_of(response) == 200
+    body = body_of(response)
+    if stream:
+        assert b'"end": "length"' in body
+    else:
+        assert json.loads(body)["id"] == request_id
+    wait_for(lambda: server.unfinished() == 0, 5, "the request to finish")
+    time.sleep(0.1)
+    assert server.probe.aborts_of(request_id) == []
+    assert request_id not in server.probe.fired
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_without_the_middleware_the_engine_generates_for_nobody(
+    server: EngineServer, stream: bool
+) -> None:
+    """The bare app under uvicorn: nothing stops the request when its client leaves."""
+    probe = server.probe
+    request_id = new_id("bare")
+    max_tokens = 300
+    client = RawClient(server.port).post(
+        "/bare/generate", request(request_id, stream=stream, api="none", max_tokens=max_tokens)
+    )
+    if stream:
+        client.read_until(lambda response: lines(response) >= 20)
+    else:
+        wait_for(lambda: probe.tokens(request_id) >= 20, 30, "generation to start")
+    closed_at = client.close()
+    wait_for(lambda: server.unfinished() == 0, 30, "the request to run to its end")
+    after = probe.tokens(request_id, after=closed_at)
+    assert probe.aborts_of(request_id) == []
+    assert after >= max_tokens - 60, after  # it generated nearly everything for nobody
+    MEASURED[f"bare_{'stream' if stream else 'non_stream'}"] = {
+        "tokens_before": probe.tokens(request_id) - after,
+        "tokens_after": after,
+        "close_to_engine_idle_ms": round(
+            ((probe.scheduler_idle_at(closed_at) or time.monotonic()) - closed_at) * 1000
+        ),
+    }
