@@ -22,9 +22,11 @@ fi
 echo "== installing asgi-cancel[dev] into $venv"
 "$venv/bin/python" -m pip install -q -e '.[dev]'
 
-echo "== pytest (ASGI level, real servers, example app, benchmarks --quick)"
+echo "== pytest (ASGI level, real servers, example app, benchmarks --quick; branch coverage >= 90%)"
 status=0
-"$venv/bin/python" -m pytest "$@" || status=$?
+coverage=(--cov=asgi_cancel --cov-report=term)
+[ "$#" -gt 0 ] || coverage+=(--cov-fail-under=90)  # the floor applies to the whole suite
+"$venv/bin/python" -m pytest "${coverage[@]}" "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2
   exit 1
