@@ -11,7 +11,7 @@ from typing import Any
 
 from ._cycle import Cycle, OnCancelled, describe, logger
 from ._token import _current, _spawn_detached
-from ._types import AnyASGIApp, Receive, Scope, Send
+from ._types import AnyASGIApp, Message, Receive, Scope, Send
 
 _get_running_loop = asyncio.events._get_running_loop
 _current_task = asyncio.current_task
@@ -131,6 +131,16 @@ class CancelOnDisconnectMiddleware:
                     await cycle.finish()
             finally:
                 _current.reset(reset)
+                # The finished cycle may outlive the request (a server's keep-alive timer
+                # copied the context while the token was set; user code may keep the token):
+                # drop what it references so that nothing big survives into older GC
+                # generations, and leave the batch if it is still waiting there.
+                if cycle.disconnect is None:
+                    cycle.disconnect = _REQUEST_OVER  # a late receive() gets it, a send drops
+                cycle.scope = cycle.real_receive = cycle.real_send = cycle.task = None  # type: ignore[assignment]
+                entries = batch[1]
+                if entries and entries[-1] is cycle:
+                    entries.pop()
 
     def _start_watchers(self, batch: tuple[asyncio.AbstractEventLoop, list[_AsyncioCycle]]) -> None:
         if self._batch is batch:
@@ -143,6 +153,7 @@ class CancelOnDisconnectMiddleware:
 
 _CLOSED: frozenset[asyncio.Task[object]] = frozenset()
 _GRACE_HOPS = 3
+_REQUEST_OVER: Message = {"type": "http.disconnect"}
 
 
 class _AsyncioCycle(Cycle):
@@ -189,7 +200,8 @@ class _AsyncioCycle(Cycle):
     def _cancel_app_soon(self) -> None:
         # From inside the app (a shield() exit): if the app then returns without awaiting, a
         # cancel issued now would land in the server's code instead. One hop lets `done` win.
-        self.task.get_loop().call_soon(self._cancel_app)
+        if not self.done:
+            self.task.get_loop().call_soon(self._cancel_app)
 
     def schedule_grace(self) -> None:
         self.grace_timer = self.task.get_loop().call_later(
