@@ -141,6 +141,12 @@ async def test_shield_exit_then_dropped_response_does_not_leak_a_cancel_to_the_s
     assert await with_watchdog(task) == "server carried on"
 
 
+@pytest.mark.xfail(
+    sys.version_info < (3, 11),
+    strict=True,
+    reason="Python 3.10 has no Task.cancelling(): an outside cancellation in progress cannot be "
+    "seen, so the disconnect's cancel lands on top of its cleanup",
+)
 async def test_disconnect_during_outside_cancellation_does_not_interrupt_its_cleanup() -> None:
     events: list[str] = []
     cleanup_started = asyncio.Event()
