@@ -263,7 +263,3 @@ class Config(Protocol):
     read_ahead: int
     grace: float
     on_cancelled: OnCancelled | None
-
-
-def describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Awaitable
 from typing import Any
 
-from ._cycle import Cycle, OnCancelled, describe, logger
+from ._cycle import Cycle, OnCancelled, logger
 from ._token import _current, _spawn_detached
 from ._types import AnyASGIApp, Message, Receive, Scope, Send
 
@@ -19,6 +19,10 @@ _HAS_UNCANCEL = sys.version_info >= (3, 11)
 
 DEFAULT_READ_AHEAD = 64 * 1024
 DEFAULT_GRACE = 0.1
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
 
 
 class CancelOnDisconnectMiddleware:
@@ -58,9 +62,11 @@ class CancelOnDisconnectMiddleware:
         on_cancelled: OnCancelled | None = None,
     ) -> None:
         if not callable(app):
-            raise TypeError(f"app must be an ASGI callable, got {describe(app)}")
+            raise TypeError(f"app must be an ASGI callable, got {_describe(app)}")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
-            raise ValueError(f"read_ahead must be an int of bytes >= 0, got {describe(read_ahead)}")
+            raise ValueError(
+                f"read_ahead must be an int of bytes >= 0, got {_describe(read_ahead)}"
+            )
         if (
             isinstance(grace, bool)
             or not isinstance(grace, (int, float))
@@ -68,10 +74,12 @@ class CancelOnDisconnectMiddleware:
             or grace < 0
         ):
             raise ValueError(
-                f"grace must be a finite number of seconds >= 0, got {describe(grace)}"
+                f"grace must be a finite number of seconds >= 0, got {_describe(grace)}"
             )
         if on_cancelled is not None and not callable(on_cancelled):
-            raise ValueError(f"on_cancelled must be callable or None, got {describe(on_cancelled)}")
+            raise ValueError(
+                f"on_cancelled must be callable or None, got {_describe(on_cancelled)}"
+            )
         self.app = app
         self.read_ahead = read_ahead
         self.grace = float(grace)
