@@ -257,6 +257,24 @@ async def _dropped() -> None:
     pass
 
 
+async def send_cancelled_response(scope: Scope, send: Send) -> None:
+    """Complete a request the client left, that the app ended without a response: 499.
+
+    The server drops it (the client is gone), but a middleware outside this one that waits
+    for a response gets one instead of raising: Starlette's `BaseHTTPMiddleware` would log
+    "RuntimeError: No response returned." for every cancelled request.
+    """
+    try:
+        await send({"type": "http.response.start", "status": 499, "headers": []})
+        if scope.get("http_version", "1.1") in ("1.0", "1.1"):
+            # Not over HTTP/2: there hypercorn hangs on a body sent after the connection
+            # closed (the start alone returns), and a response start is all an outer
+            # middleware waits for.
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except Exception:  # ASGI lets a server raise OSError for a send to a closed connection
+        logger.debug("asgi_cancel: the 499 for a cancelled request was refused", exc_info=True)
+
+
 class Config(Protocol):
     """What a cycle reads from its middleware (only when it needs it)."""
 

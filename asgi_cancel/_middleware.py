@@ -9,7 +9,7 @@ import sys
 from collections.abc import Awaitable
 from typing import Any
 
-from ._cycle import Cycle, OnCancelled, logger
+from ._cycle import Cycle, OnCancelled, logger, send_cancelled_response
 from ._token import _current, _spawn_detached
 from ._types import AnyASGIApp, Message, Receive, Scope, Send
 
@@ -149,6 +149,8 @@ class CancelOnDisconnectMiddleware:
                 entries = batch[1]
                 if entries and entries[-1] is cycle:
                     entries.pop()
+        if cycle._cancelled and not cycle.response_started:
+            await send_cancelled_response(scope, send)
 
     def _start_watchers(self, batch: tuple[asyncio.AbstractEventLoop, list[_AsyncioCycle]]) -> None:
         if self._batch is batch:
@@ -159,6 +161,7 @@ class CancelOnDisconnectMiddleware:
                 cycle.watcher = loop.create_task(cycle.watch())
 
 
+_to_thread_code = asyncio.to_thread.__code__
 _CLOSED: frozenset[asyncio.Task[object]] = frozenset()
 _GRACE_HOPS = 3
 _REQUEST_OVER: Message = {"type": "http.disconnect"}
@@ -197,13 +200,33 @@ class _AsyncioCycle(Cycle):
         if self.done or self.cancel_issued:
             return
         task = self.task
+        loop = task.get_loop()
         if _HAS_UNCANCEL and task.cancelling():  # type: ignore[attr-defined,unused-ignore]
-            # Someone else is cancelling the app (server shutdown, an anyio scope): a second
-            # cancel would interrupt the cleanup it is running. Ask again once that is over.
-            task.get_loop().call_later(0.005, self._cancel_app)
+            # Someone else is cancelling the app (server shutdown, an anyio scope, the app's
+            # own task group): a second cancel would cut the cleanup it runs short. Look again
+            # after `grace`, in case the app caught that cancellation and went on working.
+            self.grace_timer = loop.call_later(self.config.grace, self._cancel_app)
+            return
+        if _protected(task):
+            # The app waits for a worker thread (a threadpool endpoint, sync_to_async) or is
+            # in an anyio shielded scope (a framework's cleanup): a cancel now would unwind
+            # the request (dependency teardown, exit stacks) while the thread still uses its
+            # resources, or cut that cleanup short. The token has fired, so code that checks
+            # it stops; look again each time the app's current wait ends, so that the
+            # cancellation lands at its first await outside them.
+            waiter: asyncio.Future[Any] | None = getattr(task, "_fut_waiter", None)
+            if waiter is None:
+                loop.call_soon(self._cancel_app)
+            else:
+                waiter.add_done_callback(self._wait_ended)
             return
         self.cancel_issued = True
         task.cancel()  # once: edge-triggered, so the app's cleanup can await freely
+
+    def _wait_ended(self, future: asyncio.Future[Any]) -> None:
+        # Runs after the app task's own wake-up: the app has resumed and reached its next
+        # await (or finished) by now.
+        self._cancel_app()
 
     def _cancel_app_soon(self) -> None:
         # From inside the app (a shield() exit): if the app then returns without awaiting, a
@@ -217,15 +240,22 @@ class _AsyncioCycle(Cycle):
         )
 
     def _grace_over(self, hops: int) -> None:
-        # A few more loop iterations before cancelling: on a loop that was busier than `grace`
+        # A few more loop iterations before deciding: on a loop that was busier than `grace`
         # (a GC pause, a burst of engine outputs), the app's own reaction may still be queued:
         # vLLM's with_cancellation needs three steps (listener ends, asyncio.wait completes,
         # the wrapper resumes) before it cancels its inner handler task. Cancelling the
         # wrapper earlier would orphan that task.
-        if hops and not self.done:
+        self.grace_timer = None
+        if self.done:
+            return
+        if hops:
             self.task.get_loop().call_soon(self._grace_over, hops - 1)
+        elif _reacting(self.task, self):
+            # The app reacted by cancelling its own work (Django, Quart, Starlette's stream
+            # listener): that cleanup is the app's, however long it takes. No second cancel.
+            logger.debug("asgi_cancel: the app handles the disconnect itself")
         else:
-            self._request_cancel()
+            self._request_cancel()  # it listened and ignored the disconnect
 
     async def checkpoint(self) -> None:
         await asyncio.sleep(0)
@@ -255,13 +285,13 @@ class _AsyncioCycle(Cycle):
             # holds this cycle, so keeping it would leave a reference cycle for the GC.
             self.watcher = None
             watcher.cancel()
-            interrupted = await _wait_out({watcher})
+            interrupted = await _wait_out([watcher])
         spawned = self.spawned
         while isinstance(spawned, set) and spawned:
             # Callbacks' tasks (engine aborts) must finish: the app's cleanup may rely on them.
-            tasks = set(spawned)
+            tasks = list(spawned)
             interrupted = await _wait_out(tasks) or interrupted
-            spawned -= tasks
+            spawned.difference_update(tasks)
             for task in tasks:
                 if not task.cancelled() and task.exception() is not None:
                     logger.error("asgi_cancel: on_cancel task failed", exc_info=task.exception())
@@ -270,18 +300,121 @@ class _AsyncioCycle(Cycle):
             raise asyncio.CancelledError
 
 
-async def _wait_out(tasks: set[asyncio.Task[Any]]) -> bool:
+async def _wait_out(tasks: list[asyncio.Task[Any]]) -> bool:
     """Wait until `tasks` are done; return whether we were cancelled meanwhile.
 
-    Cancelled from outside (server shutdown), cancel the tasks and still wait for them to
-    end, so that none outlives the request.
+    Cancelled from outside (server shutdown, an anyio scope that cancels again on every loop
+    iteration), cancel the tasks and still wait for them to end, so that none outlives the
+    request. Done-ness is re-checked after every wake-up, so a level-triggered cancellation
+    cannot keep us waiting on tasks that already ended.
     """
     interrupted = False
-    while tasks:
+    pending = [task for task in tasks if not task.done()]
+    while pending:
+        waiter: asyncio.Future[None] = pending[0].get_loop().create_future()
+
+        def wake(_: object, waiter: asyncio.Future[None] = waiter) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        for task in pending:
+            task.add_done_callback(wake)
         try:
-            _, tasks = await asyncio.wait(tasks)
+            await waiter
         except asyncio.CancelledError:
             interrupted = True
-            for task in tasks:
+            for task in pending:
                 task.cancel()
+        finally:
+            for task in pending:
+                task.remove_done_callback(wake)
+        pending = [task for task in pending if not task.done()]
     return interrupted
+
+
+def _protected(task: asyncio.Task[Any]) -> bool:
+    """Whether `task` waits for a worker thread or runs in an anyio shielded scope.
+
+    Recognised threads: futures chained to a `concurrent.futures.Future`
+    (`loop.run_in_executor`, `asyncio.to_thread`, Litestar's `sync_to_thread`) and the await
+    chains of anyio's worker threads (Starlette's `run_in_threadpool`, FastAPI `def`
+    endpoints and dependencies, `anyio.to_thread.run_sync`) and of asgiref's
+    `sync_to_async`, from the call to the thread's return. Runs only after a disconnect.
+    """
+    # `_fut_waiter` is the future a task is suspended on, in both Task implementations
+    # since Python 3.4 (anyio's cancel scopes read it too).
+    waiter = getattr(task, "_fut_waiter", None)
+    for callback, *_ in getattr(waiter, "_callbacks", None) or ():
+        if getattr(callback, "__qualname__", "") == "_chain_future.<locals>._call_check_cancel":
+            return True
+    codes = _thread_codes()
+    awaitable: Any = task.get_coro()
+    while awaitable is not None:
+        code = getattr(awaitable, "cr_code", None) or getattr(awaitable, "gi_code", None)
+        if code is not None and code in codes:
+            return True
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
+    return _in_anyio_shield(task)
+
+
+def _in_anyio_shield(task: asyncio.Task[Any]) -> bool:
+    # A native Task.cancel() goes through anyio's shields (FastAPI closes `yield`
+    # dependencies in one): respect them as anyio's own cancellation would.
+    anyio_asyncio = sys.modules.get("anyio._backends._asyncio")
+    try:
+        state = anyio_asyncio._task_states.get(task)  # type: ignore[union-attr]
+        scope = state.cancel_scope if state is not None else None
+        while scope is not None:
+            if scope._shield:
+                return True
+            scope = scope._parent_scope
+    except (AttributeError, TypeError):  # another anyio version: threads are still covered
+        return False
+    return False
+
+
+def _thread_codes() -> set[object]:
+    # Only modules the app already imported: a disconnect never imports anything.
+    codes: set[object] = {_to_thread_code}
+    anyio_asyncio = sys.modules.get("anyio._backends._asyncio")
+    if anyio_asyncio is not None:
+        backend = getattr(anyio_asyncio, "AsyncIOBackend", None)
+        method = getattr(backend, "run_sync_in_worker_thread", None)
+        codes.add(getattr(getattr(method, "__func__", method), "__code__", None))
+    asgiref_sync = sys.modules.get("asgiref.sync")
+    if asgiref_sync is not None:
+        call = vars(getattr(asgiref_sync, "SyncToAsync", object)).get("__call__")
+        codes.add(getattr(call, "__code__", None))
+    codes.discard(None)
+    return codes
+
+
+def _reacting(task: asyncio.Task[Any], token: object) -> bool:
+    """Whether the app is cancelling its own work: the app task, or a task it awaits.
+
+    Django awaits the handler task it cancelled, Quart gathers them, anyio task groups
+    (Starlette's stream listener, sse-starlette) cancel the app task itself. Python 3.10 has
+    no `Task.cancelling()`: there, nothing counts as a reaction.
+    """
+    if not _HAS_UNCANCEL:
+        return False  # pragma: no cover (3.10)
+    seen: list[object] = []
+    pending: list[Any] = [task]
+    while pending:
+        current = pending.pop()
+        if current is None or any(current is item for item in seen) or len(seen) > 64:
+            continue
+        seen.append(current)
+        if isinstance(current, asyncio.Task):
+            if current.cancelling():  # type: ignore[attr-defined,unused-ignore]
+                return True
+            pending.append(getattr(current, "_fut_waiter", None))
+        else:
+            # asyncio.gather's future holds its children.
+            pending.extend(getattr(current, "_children", ()))
+    if sys.version_info >= (3, 12):
+        # Tasks the app started and does not await directly (a task group's children).
+        for other in asyncio.all_tasks(task.get_loop()):
+            if other.cancelling() and other.get_context().get(_current) is token:
+                return True
+    return False

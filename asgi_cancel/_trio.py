@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ._cycle import Config, Cycle, logger
+from ._cycle import Config, Cycle, logger, send_cancelled_response
 from ._token import _current
 from ._types import Receive, Scope, Send
 
@@ -55,6 +55,8 @@ async def run_trio(
         cycle.nursery = None
     if error is not None:
         raise error
+    if cycle._cancelled and not cycle.response_started:
+        await send_cancelled_response(scope, send)
 
 
 class _TrioCycle(Cycle):

@@ -26,6 +26,11 @@ from .helpers import (
 
 pytestmark = pytest.mark.anyio
 
+CANCELLED_RESPONSE = [
+    {"type": "http.response.start", "status": 499, "headers": []},
+    {"type": "http.response.body", "body": b"", "more_body": False},
+]
+
 
 # -- 1. only http scopes ------------------------------------------------------------------------
 @pytest.mark.parametrize("scope_type", ["websocket", "lifespan"])
@@ -368,13 +373,17 @@ async def test_fast_request_creates_no_task() -> None:
 
 # -- 7. sends dropped after disconnect ----------------------------------------------------------
 async def test_send_after_disconnect_never_reaches_a_server_that_would_hang() -> None:
-    """hypercorn h2 after the TCP connection closed: send() hangs forever."""
-    calls: list[str] = []
+    """hypercorn h2 after the TCP connection closed: a body send() hangs forever.
+
+    The app's late response is dropped; the middleware's own 499 (for an outer middleware
+    that waits for a response) is only a response start over HTTP/2, which returns there.
+    """
+    calls: list[Message] = []
     server = QueueServer({"type": "http.request", "body": b"", "more_body": False})
 
     async def hanging_send(message: Message) -> None:
-        calls.append(message["type"])
-        if server.queue.empty() and server.receive_calls > 1:
+        calls.append(message)
+        if message["type"] != "http.response.start" and server.receive_calls > 1:
             await asyncio.Event().wait()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -382,13 +391,29 @@ async def test_send_after_disconnect_never_reaches_a_server_that_would_hang() ->
         await receive()  # waits for the disconnect itself, then sends anyway
         await respond(send, b"too late")
 
+    scope = http_scope()
+    scope["http_version"] = "2"
     task = asyncio.create_task(
-        CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, hanging_send)
+        CancelOnDisconnectMiddleware(app)(scope, server.receive, hanging_send)
     )
     await until(lambda: server.receive_calls >= 2)
     server.disconnect()
     await with_watchdog(task)
-    assert calls == []
+    assert calls == [{"type": "http.response.start", "status": 499, "headers": []}]
+
+
+async def test_request_cancelled_before_its_response_is_completed_with_a_499() -> None:
+    """HTTP/1.1: start and an empty final body, both dropped by a server whose client left."""
+    events: list[str] = []
+    server = QueueServer({"type": "http.request", "body": b"", "more_body": False})
+    task = asyncio.create_task(
+        CancelOnDisconnectMiddleware(slow_app(events))(http_scope(), server.receive, server.send)
+    )
+    await until(lambda: server.receive_calls >= 2)
+    server.disconnect()
+    await with_watchdog(task)
+    assert events == ["body:", "cancelled"]
+    assert server.sent == CANCELLED_RESPONSE
 
 
 # -- 8. shield ----------------------------------------------------------------------------------

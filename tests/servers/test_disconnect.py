@@ -67,8 +67,11 @@ def test_slow_request_cancelled_on_close(
             close=close_kind,
         )
         if close_kind == HALF:
-            # Still reading: the app returned without a response, so none may reach the client.
-            assert read_to_eof(sock) == b""
+            # Still reading. The middleware completes the request with a 499 for any outer
+            # middleware waiting for a response: most servers drop it (their client is gone),
+            # hypercorn still writes to a half-closed connection. Never the app's own answer.
+            received = read_to_eof(sock)
+            assert received == b"" or received.startswith(b"HTTP/1.1 499 "), received
 
 
 @pytest.mark.parametrize("close_kind", CLOSE_KINDS)
