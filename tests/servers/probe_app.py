@@ -9,6 +9,9 @@ happens to it through `events.record`, keyed by the `id` query parameter:
 - `/bg?work=0.3`: answers 200 "bg" at once, then keeps working `work` seconds (post-response
   work, as Starlette's `BackgroundTasks`), recording whether the token was cancelled.
 - `/upload?read=1`: reads the whole body first (or, with `read=0`, sleeps first), then sleeps.
+
+`app` is the probe wrapped with the middleware; `bare_app` is the same probe without it, to
+measure what a server does on its own (token fields are then recorded as None).
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ from .events import (
 CHUNK = b"chunk\n"
 CHUNK_INTERVAL = 0.02
 CANCELLED = (asyncio.CancelledError, trio.Cancelled)
+
+
+def token_state() -> tuple[bool | None, str | None]:
+    """The request's token (cancelled, reason), or (None, None) without the middleware."""
+    try:
+        token = current_token()
+    except RuntimeError:
+        return None, None
+    return token.cancelled, token.reason
 
 
 async def sleep(seconds: float) -> None:
@@ -87,8 +99,8 @@ async def background(rid: str, scope: Scope, receive: Receive, send: Send) -> No
     await send_text(send, 200, b"bg")
     # The response is complete: the client may now leave, this work must not be cancelled.
     await sleep(float(query_param(scope, "work", "0.3")))
-    token = current_token()
-    record(rid, "bg_done", token_cancelled=token.cancelled)
+    token_cancelled, _ = token_state()
+    record(rid, "bg_done", token_cancelled=token_cancelled)
 
 
 async def upload(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,13 +138,13 @@ async def probe(scope: Scope, receive: Receive, send: Send) -> None:
     try:
         await endpoint(rid, scope, receive, send)
     except CANCELLED as exc:
-        token = current_token()
+        token_cancelled, reason = token_state()
         record(
             rid,
             "cancelled",
             exc=type(exc).__name__,
-            token_cancelled=token.cancelled,
-            reason=token.reason,
+            token_cancelled=token_cancelled,
+            reason=reason,
         )
         raise
     record(rid, "done")
@@ -140,3 +152,4 @@ async def probe(scope: Scope, receive: Receive, send: Send) -> None:
 
 log_cancellations_to_stderr()
 app = recording_exit(CancelOnDisconnectMiddleware(probe, on_cancelled=record_hook))
+bare_app = recording_exit(probe)

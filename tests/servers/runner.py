@@ -31,6 +31,10 @@ class ServerSpec:
     argv: Callable[[str, int], list[str]]
     # daphne (Twisted) reads the whole request body before it calls the app.
     buffers_request_body: bool = False
+    # Seconds after the client left at which the server cancels a still-running app task
+    # itself, post-response work included; None if it never does. (daphne also counts from the
+    # end of a normal response, client still connected.)
+    cancels_app_after: float | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -60,6 +64,22 @@ def _daphne(target: str, port: int) -> list[str]:
     return [sys.executable, "-m", "daphne", "-b", HOST, "-p", str(port), target]
 
 
+# gunicorn's `--asgi-disconnect-grace-period` default: its asgi worker cancels the request task
+# itself this long after the client left, post-response work included.
+GUNICORN_GRACE = 3.0
+
+
+def _gunicorn(*extra: str) -> Callable[[str, int], list[str]]:
+    # gunicorn 27's native asyncio worker (`-k asgi`), one worker, no access log (the default).
+    def argv(target: str, port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "gunicorn", "-k", "asgi", "--workers", "1",
+            "--bind", f"{HOST}:{port}", "--graceful-timeout", "2", *extra, target,
+        ]  # fmt: skip
+
+    return argv
+
+
 def _granian(target: str, port: int) -> list[str]:
     return [
         sys.executable, "-m", "granian", "--interface", "asgi", "--host", HOST,
@@ -71,8 +91,17 @@ UVICORN_HTTPTOOLS = ServerSpec("uvicorn-httptools", _uvicorn("httptools"))
 UVICORN_H11 = ServerSpec("uvicorn-h11", _uvicorn("h11"))
 HYPERCORN_ASYNCIO = ServerSpec("hypercorn-asyncio", _hypercorn("asyncio"))
 HYPERCORN_TRIO = ServerSpec("hypercorn-trio", _hypercorn("trio"))
-DAPHNE = ServerSpec("daphne", _daphne, buffers_request_body=True)
+DAPHNE = ServerSpec("daphne", _daphne, buffers_request_body=True, cancels_app_after=10.0)
 GRANIAN = ServerSpec("granian", _granian)
+GUNICORN = ServerSpec("gunicorn", _gunicorn(), cancels_app_after=GUNICORN_GRACE)
+# HTTP/1.1 and h2c on one port: prior-knowledge h2c from 127.0.0.1 (in the default
+# --forwarded-allow-ips); "both" rather than "prior-knowledge" so the HTTP/1.1 ready probe is
+# still served, not refused with 400.
+GUNICORN_H2 = ServerSpec(
+    "gunicorn-h2c",
+    _gunicorn("--http-protocols", "h2,h1", "--http2-cleartext", "both"),
+    cancels_app_after=GUNICORN_GRACE,
+)
 HTTP1_SERVERS = (
     UVICORN_HTTPTOOLS,
     UVICORN_H11,
@@ -80,6 +109,7 @@ HTTP1_SERVERS = (
     HYPERCORN_TRIO,
     DAPHNE,
     GRANIAN,
+    GUNICORN,
 )
 
 

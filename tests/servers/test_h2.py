@@ -1,8 +1,10 @@
-"""hypercorn over HTTP/2 (h2c with prior knowledge): a reset stream is cancelled, its siblings
-on the same connection complete; a closed connection cancels every stream on it.
+"""hypercorn and gunicorn over HTTP/2 (h2c with prior knowledge): a reset stream is cancelled,
+its siblings on the same connection complete; a closed connection cancels every stream on it.
 
 After the TCP connection is gone, hypercorn's h2 `send(http.response.body)` hangs forever;
 the middleware drops sends after the disconnect and cancels the app, which frees the task.
+gunicorn's h2 `send()` after an RST_STREAM raises `ClientDisconnected`; the middleware drops
+it too.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import pytest
 from .checks import WATCHDOG, assert_cancelled, assert_not_cancelled
 from .client import FIN, HOST, close, connect, new_id
 from .latency import Latencies
-from .runner import HYPERCORN_ASYNCIO, HYPERCORN_TRIO, Server, running_server
+from .runner import GUNICORN_H2, HYPERCORN_ASYNCIO, HYPERCORN_TRIO, Server, running_server
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 
 
-@pytest.fixture(scope="module", params=[HYPERCORN_ASYNCIO, HYPERCORN_TRIO], ids=str)
+@pytest.fixture(scope="module", params=[HYPERCORN_ASYNCIO, HYPERCORN_TRIO, GUNICORN_H2], ids=str)
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
