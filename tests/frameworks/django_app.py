@@ -1,0 +1,116 @@
+"""A Django 5 project in one module: settings in code, no database.
+
+`app` is Django's ASGI application wrapped with the middleware (`asgi.py`:
+`application = CancelOnDisconnectMiddleware(get_asgi_application())`); `control` is the same
+application without it. Django's ASGI handler serves only `http` scopes, so both are put behind
+a lifespan responder, as a project does when its server speaks lifespan.
+"""
+
+from __future__ import annotations
+
+import django  # type: ignore[import-untyped]
+from django.conf import settings  # type: ignore[import-untyped]
+
+settings.configure(
+    DEBUG=False,
+    SECRET_KEY="asgi-cancel-framework-matrix",
+    ROOT_URLCONF=__name__,
+    ALLOWED_HOSTS=["*"],
+    INSTALLED_APPS=[],
+    MIDDLEWARE=[],
+    DATABASES={},
+    USE_TZ=True,
+    # Errors (a 500, a traceback) must show up in the server's log, which the tests read.
+    LOGGING={
+        "version": 1,
+        "disable_existing_loggers": False,
+        "handlers": {"console": {"class": "logging.StreamHandler"}},
+        "loggers": {"django": {"handlers": ["console"], "level": "ERROR"}},
+    },
+)
+django.setup()
+
+from django.core.asgi import get_asgi_application  # type: ignore[import-untyped]  # noqa: E402
+from django.http import (  # type: ignore[import-untyped]  # noqa: E402
+    HttpRequest,
+    HttpResponse,
+    StreamingHttpResponse,
+)
+from django.urls import path  # type: ignore[import-untyped]  # noqa: E402
+
+from .appkit import (  # noqa: E402
+    NORMAL_BODY,
+    NORMAL_HEADER,
+    ASGIApp,
+    Receive,
+    Scope,
+    Send,
+    blocking_work,
+    chunks,
+    log_cancellations_to_stderr,
+    recording_exit,
+    serve_lifespan,
+    slow_work,
+    with_middleware,
+)
+
+
+def text(body: str, status: int = 200) -> HttpResponse:
+    response = HttpResponse(body, content_type="text/plain", status=status)
+    response["Content-Length"] = str(len(response.content))
+    return response
+
+
+async def hello(request: HttpRequest) -> HttpResponse:
+    return text("hello")
+
+
+async def normal(request: HttpRequest) -> HttpResponse:
+    response = text(NORMAL_BODY)
+    response[NORMAL_HEADER[0]] = NORMAL_HEADER[1]
+    return response
+
+
+async def slow(request: HttpRequest) -> HttpResponse:
+    """An async view: Django runs it in its own task, which it cancels on a disconnect."""
+    query = request.GET
+    await slow_work(query["id"], float(query.get("t", "30")), float(query.get("cleanup", "0")))
+    return text("slow done")
+
+
+async def stream(request: HttpRequest) -> StreamingHttpResponse:
+    query = request.GET
+    return StreamingHttpResponse(
+        chunks(query["id"], float(query.get("t", "30"))), content_type="text/plain"
+    )
+
+
+def sync(request: HttpRequest) -> HttpResponse:
+    """A sync view: Django runs it in a thread (asgiref `sync_to_async`)."""
+    query = request.GET
+    return text(blocking_work(query["id"], float(query.get("t", "30"))))
+
+
+urlpatterns = [
+    path("hello", hello),
+    path("normal", normal),
+    path("slow", slow),
+    path("stream", stream),
+    path("sync", sync),
+]
+
+
+def with_lifespan(http_app: ASGIApp) -> ASGIApp:
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await serve_lifespan(receive, send)
+        else:
+            await http_app(scope, receive, send)
+
+    return asgi
+
+
+log_cancellations_to_stderr()
+django_application: ASGIApp = get_asgi_application()
+app = recording_exit(with_lifespan(with_middleware(django_application)))
+control = recording_exit(with_lifespan(django_application))

@@ -1,0 +1,126 @@
+"""A FastAPI app: `app.add_middleware(CancelOnDisconnectMiddleware)`; `control` without it.
+
+Both are built by one function, so the routes are the same; the query parameter `id` names
+the request in the events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Annotated
+
+from asgiref.sync import async_to_sync, sync_to_async
+from fastapi import BackgroundTasks, Depends, FastAPI, Query
+from fastapi.responses import PlainTextResponse
+from sse_starlette import EventSourceResponse
+
+from asgi_cancel import CancelOnDisconnectMiddleware
+
+from .appkit import (
+    NORMAL_BODY,
+    NORMAL_HEADER,
+    STEP,
+    Resource,
+    background_work,
+    blocking_work,
+    chunks,
+    log_cancellations_to_stderr,
+    polling_async_work,
+    record,
+    record_cancelled,
+    record_hook,
+    recording_exit,
+    resource_dependency,
+    slow_work,
+    token_or_none,
+)
+
+RequestId = Annotated[str, Query(alias="id")]
+
+
+def get_db(rid: RequestId) -> Iterator[Resource]:
+    """`def get_db(): db = Session(); try: yield db; finally: db.close()`."""
+    yield from resource_dependency(rid)
+
+
+Db = Annotated[Resource, Depends(get_db)]
+
+
+def build() -> FastAPI:
+    api = FastAPI()
+
+    @api.get("/hello")
+    async def hello() -> PlainTextResponse:
+        return PlainTextResponse("hello")
+
+    @api.get("/normal")
+    async def normal() -> PlainTextResponse:
+        return PlainTextResponse(NORMAL_BODY, headers=dict([NORMAL_HEADER]))
+
+    @api.get("/slow")
+    async def slow(rid: RequestId, t: float = 30) -> PlainTextResponse:
+        await slow_work(rid, t)
+        return PlainTextResponse("slow done")
+
+    @api.get("/sse")
+    async def sse(rid: RequestId, t: float = 30) -> EventSourceResponse:
+        async def events() -> AsyncIterator[str]:
+            async for chunk in chunks(rid, t):
+                yield chunk.decode().strip()
+
+        return EventSourceResponse(events(), sep="\n")  # `data: chunk\n\n`, not \r\n
+
+    @api.get("/sync-db")
+    def sync_db(rid: RequestId, db: Db, t: float = 30) -> PlainTextResponse:
+        """A `def` endpoint: FastAPI runs it in the threadpool; the teardown of `db` must wait
+        until it returned."""
+        return PlainTextResponse(blocking_work(rid, t, db))
+
+    @api.get("/async-db")
+    async def async_db(rid: RequestId, db: Db, t: float = 30) -> PlainTextResponse:
+        token = token_or_none()
+        record(rid, "start")
+        try:
+            for _ in range(int(t / STEP)):
+                await asyncio.sleep(STEP)
+                db.use("step")
+        except asyncio.CancelledError as exc:
+            record_cancelled(rid, token, exc)
+            db.use("rollback")  # the session is still open while the endpoint unwinds
+            raise
+        finally:
+            record(rid, "finally")
+        record(rid, "done")
+        return PlainTextResponse("async done")
+
+    @api.get("/bg")
+    async def bg(rid: RequestId, background_tasks: BackgroundTasks) -> PlainTextResponse:
+        record(rid, "start")
+        background_tasks.add_task(background_work, rid)
+        return PlainTextResponse("bg")
+
+    @api.get("/sync-to-async")
+    async def via_sync_to_async(rid: RequestId, db: Db, t: float = 30) -> PlainTextResponse:
+        """asgiref `sync_to_async`: the work runs in a thread; `db` is torn down after."""
+        result = await sync_to_async(blocking_work, thread_sensitive=False)(rid, t, db)
+        return PlainTextResponse(result)
+
+    @api.get("/async-to-sync")
+    def via_async_to_sync(rid: RequestId, t: float = 30) -> PlainTextResponse:
+        """A `def` endpoint running a coroutine with asgiref `async_to_sync`: the coroutine
+        runs on another event loop, out of reach of the request's task; it polls the token."""
+        try:
+            return PlainTextResponse(async_to_sync(polling_async_work)(rid, t))
+        finally:
+            record(rid, "thread_returned")
+
+    return api
+
+
+fastapi_app = build()
+fastapi_app.add_middleware(CancelOnDisconnectMiddleware, on_cancelled=record_hook)
+
+log_cancellations_to_stderr()
+app = recording_exit(fastapi_app)
+control = recording_exit(build())

@@ -1,0 +1,49 @@
+"""A Quart app: `app = CancelOnDisconnectMiddleware(quart_app)`; `control` is Quart alone."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from quart import Quart, Response, request
+
+from .appkit import (
+    NORMAL_BODY,
+    NORMAL_HEADER,
+    as_asgi,
+    chunks,
+    log_cancellations_to_stderr,
+    recording_exit,
+    slow_work,
+    with_middleware,
+)
+
+quart_app = Quart(__name__)
+
+
+@quart_app.get("/hello")
+async def hello() -> str:
+    return "hello"
+
+
+@quart_app.get("/normal")
+async def normal() -> Response:
+    return Response(NORMAL_BODY, content_type="text/plain", headers=dict([NORMAL_HEADER]))
+
+
+@quart_app.get("/slow")
+async def slow() -> str:
+    """Sleeps; `?cleanup=S` awaits S seconds in its `except CancelledError` before re-raising."""
+    args = request.args
+    await slow_work(args["id"], float(args.get("t", "30")), float(args.get("cleanup", "0")))
+    return "slow done"
+
+
+@quart_app.get("/stream")
+async def stream() -> Response:
+    body: AsyncIterator[bytes] = chunks(request.args["id"], float(request.args.get("t", "30")))
+    return Response(body, content_type="text/plain")
+
+
+log_cancellations_to_stderr()
+app = recording_exit(with_middleware(quart_app))
+control = recording_exit(as_asgi(quart_app))
