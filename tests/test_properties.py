@@ -650,8 +650,12 @@ async def test_body_read_right_after_a_thread_is_cancelled_not_handed_the_discon
     assert returned
 
 
+# asyncio only: trio's randomised scheduling shows it in about half the runs.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.xfail(strict=True, reason="bug B: a second body reader gets http.disconnect")
-async def test_concurrent_body_readers_are_cancelled_not_handed_the_disconnect() -> None:
+async def test_concurrent_body_readers_are_cancelled_not_handed_the_disconnect(
+    anyio_backend: str,
+) -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as group:
             group.start_soon(_read_body_or_raise, receive)
