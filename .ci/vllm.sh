@@ -114,6 +114,26 @@ if [ "$status" -eq 5 ]; then
     status=1
 fi
 
+# The serving benchmark in quick mode (benchmarks/serving.py): vLLM's own `vllm bench serve` and
+# AIPerf's request cancellation against this vLLM, one server start per variant (without and
+# with the middleware); it asserts that the tools ran and produced their figures, never a speed.
+# AIPerf gets its own venv (.venv-aiperf), created on the first run. We hold the engine lock.
+step "serving benchmark --quick (vllm bench serve + AIPerf against real vLLM)"
+serving_python="$ROOT/.venv/bin/python" # the dev venv (matplotlib), as tests/run.sh creates it
+if [ ! -x "$serving_python" ]; then
+    echo "vllm.sh: $serving_python missing (run tests/run.sh first); serving benchmark not run" >&2
+    serving_status=1
+else
+    serving_status=0
+    VLLM_VENV="$VENV" VLLM_LOCK_HELD=1 timeout 900 "$serving_python" -m benchmarks serving \
+        --quick --target vllm --require-tools || serving_status=$?
+fi
+took "serving"
+if [ "$serving_status" -ne 0 ]; then
+    echo "vllm.sh: the serving benchmark's quick mode failed (exit $serving_status)" >&2
+    [ "$status" -ne 0 ] || status=1
+fi
+
 if [ -s "$report" ]; then
     echo "=== vllm.sh: measured (docs/vllm.md quotes these)"
     cat "$report"

@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +71,23 @@ class Settings:
     long_requests: int
     long_tokens: int
     short_tokens: int
+    aiperf_reps: int = 2
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    # What differs on the simulated engine (10 ms per token: a run of vLLM's size would be slow)
+    sim: dict[str, Any] = field(default_factory=dict)
+
+    def for_target(self, target: str) -> Settings:
+        return replace(self, **self.sim) if target == "sim" else self
 
 
 FULL = Settings(
-    reps=3,
+    reps=4,
     bench_concurrency=[1, 8, 32],
-    bench_prompts={1: 16, 8: 64, 32: 128},
+    bench_prompts={1: 32, 8: 128, 32: 256},
     bench_input_len=128,
     bench_output_len=128,
     aiperf_cells=[(0, "0"), (25, "0"), (25, "mid"), (50, "0"), (50, "mid")],
-    aiperf_requests=48,
+    aiperf_requests=96,
     aiperf_concurrency=8,
     aiperf_isl=128,
     aiperf_osl=128,
@@ -90,6 +95,8 @@ FULL = Settings(
     long_requests=32,
     long_tokens=400,
     short_tokens=16,
+    aiperf_reps=2,
+    sim={"bench_prompts": {1: 8, 8: 32, 32: 64}, "aiperf_requests": 48},
 )
 QUICK = Settings(
     reps=1,
@@ -106,6 +113,7 @@ QUICK = Settings(
     long_requests=4,
     long_tokens=64,
     short_tokens=4,
+    aiperf_reps=1,
 )
 
 
@@ -408,7 +416,7 @@ def run_cancellation(pair: Pair, settings: Settings, work: Path, install: bool) 
             delays["mid"] = mid
         delay = delays[when]
         key = f"{rate}%/{when}"
-        for rep in range(settings.reps):
+        for rep in range(settings.aiperf_reps):
             for variant in alternating(rep):
                 server = pair.servers[variant]
                 if tool == "aiperf":
@@ -528,10 +536,11 @@ def run(
             target_started = time.monotonic()
             if target == "vllm":
                 with engine_lock(quick):
-                    data = run_target(target, settings, work / target, install)
+                    data = run_target(target, settings.for_target(target), work / target, install)
             else:
-                data = run_target(target, settings, work / target, install)
+                data = run_target(target, settings.for_target(target), work / target, install)
             data["seconds"] = round(time.monotonic() - target_started, 1)
+            data["settings"] = asdict(settings.for_target(target))
             results["targets"][target] = data
     results["seconds"] = round(time.time() - started, 1)
     results["load_after"] = loadavg()

@@ -104,6 +104,14 @@ def cancellation_table(data: dict[str, Any]) -> str:
                     fmt(_median_of(runs, "ttft_p50_ms"), 1),
                     fmt(_median_of(runs, "ttft_p99_ms"), 1),
                     fmt(_median_of(runs, "cancelled_tokens"), 0),
+                    fmt(
+                        median(
+                            run["cancelled_tokens"] / run["cancelled"]
+                            for run in runs
+                            if run["cancelled"]
+                        ),
+                        1,
+                    ),
                     "n/a" if None in wasted else fmt(median(float(w) for w in wasted), 0),
                 ]
             )
@@ -116,6 +124,7 @@ def cancellation_table(data: dict[str, Any]) -> str:
             "TTFT p50 ms",
             "TTFT p99 ms",
             "tokens generated for cancelled requests",
+            "per cancelled request",
             "of which after the client left",
         ],
         rows,
@@ -177,7 +186,7 @@ def tables(results: dict[str, Any]) -> str:
             + ", medians",
             cancellation_table(cancellation),
             f"**{title}**: a short request behind cancelled ones",
-            short_table(data["short"], results["settings"]),
+            short_table(data["short"], data.get("settings", results["settings"])),
         ]
     load = results["load"]
     at_start = "/".join(f"{x:.2f}" for x in load.get("at_start", load["first"]))
@@ -219,6 +228,9 @@ def plot(results: dict[str, Any], folder: Path) -> Path:
             ax.axhspan(0.99, 1.01, color="green", alpha=0.15, label="within 1%")
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(BENCH_FIGURES))])
             ax.set_xticklabels([label for _k, label, _h in BENCH_FIGURES], rotation=35, ha="right")
+            values = [v for figures in ratios.values() for v in figures.values() if v == v]
+            if values:
+                ax.set_ylim(min(0.9, min(values) - 0.02), max(1.1, max(values) + 0.02))
             ax.set_ylabel("with / without middleware")
             ax.legend(fontsize=7)
         ax.set_title(f"{title}\nvllm bench serve: ratios", fontsize=9)
