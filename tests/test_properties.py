@@ -189,7 +189,7 @@ class Record:
     post_response_done: bool = False
     listener_started: bool = False
     handler_cancelled: int = 0
-    shield_right_after_thread: bool = False
+    shield_right_after_deferral: bool = False
     threads_running: int = 0
     shutdown_requested: bool = False
 
@@ -313,7 +313,7 @@ def make_app(
         elif step == "thread":
             await anyio.to_thread.run_sync(thread_work)
         elif step == "shield":
-            record.shield_right_after_thread = previous[0] == "thread"
+            record.shield_right_after_deferral = previous[0] in ("thread", "shield")
             with shield():
                 try:
                     await anyio.sleep(0.001)
@@ -505,14 +505,18 @@ def check(
         # right after a thread, a shield() block or a yield). Counted, not failed, here.
         event("known bug B: http.disconnect handed to a body reader mid-body")
     for message_type in record.poll_messages:
+        if message_type == "http.request":
+            # The server's extra empty http.request, when the app itself reads after the body.
+            assert schedule.extra_empty_request
+            continue
         assert message_type == "http.disconnect"
         assert server.disconnect_delivered
     assert server.calls_after_disconnect == 0, "server receive() called after the disconnect"
 
     if behaviour.django:
         pass  # the app cancels its own handler, shield() or not: not the middleware's cancel
-    elif record.cancelled_in_shield and record.shield_right_after_thread:
-        event("known bug A: the cancellation deferred by a thread lands inside shield()")
+    elif record.cancelled_in_shield and record.shield_right_after_deferral:
+        event("known bug A: a cancel deferred by a thread or shield() lands in the next shield()")
     else:
         assert not record.cancelled_in_shield, "cancelled inside shield()"
     assert not record.cancelled_while_thread_ran, "the request unwound around a worker thread"
@@ -611,8 +615,10 @@ class ClientDisconnectError(Exception):
     """What Starlette's `request.body()` raises on `http.disconnect` (ClientDisconnect)."""
 
 
+# asyncio only: trio showed it at 07ca9e9; with the internals being reshaped it is racy there.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.xfail(strict=True, reason="bug A: a cancel deferred by a thread lands in shield()")
-async def test_shield_entered_right_after_a_thread_is_not_interrupted() -> None:
+async def test_shield_entered_right_after_a_thread_is_not_interrupted(anyio_backend: str) -> None:
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,0 +1,262 @@
+"""Soak a real server: many requests from a few client threads, half of them leaving early.
+
+    .venv/bin/python -m tests.reliability.soak --requests 20000     # each server, ~minutes
+
+Every completed response is checked byte for byte; the server's asyncio task count and RSS
+(its `/stats` endpoint) are read before and after; its log must hold no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.servers.client import HOST, connect, get, read_to_eof
+from tests.servers.runner import (
+    HYPERCORN_ASYNCIO,
+    UVICORN_HTTPTOOLS,
+    Server,
+    ServerSpec,
+    running_server,
+)
+from tests.servers.test_h2 import H2Client
+
+TARGET = "reliability.soak_app:app"
+SETTLE_TIMEOUT = 30.0  # hypercorn keeps closed connections' tasks ~20 s, with or without us
+
+
+@dataclass
+class Stats:
+    tasks: int
+    rss_kib: int
+
+
+@dataclass
+class SoakResult:
+    server: str
+    requests: int = 0
+    completed: int = 0
+    departures: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
+    before: Stats | None = None
+    after: Stats | None = None
+    seconds: float = 0.0
+
+
+def stats(port: int) -> Stats:
+    data = json.loads(get(port, "/stats").body)
+    return Stats(tasks=data["tasks"], rss_kib=data["rss_kib"])
+
+
+def rst(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def leave(sock: socket.socket, rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        rst(sock)
+        return "rst"
+    sock.close()
+    return "fin"
+
+
+def dechunk(data: bytes) -> bytes:
+    body = b""
+    while True:
+        size_line, data = data.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return body
+        body += data[:size]
+        data = data[size + 2 :]
+
+
+def http1_request(port: int, method: str, target: str, body: bytes = b"") -> tuple[int, bytes]:
+    with connect(port) as sock:
+        head = f"{method} {target} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n"
+        if body or method == "POST":
+            head += f"Content-Length: {len(body)}\r\n"
+        sock.sendall(head.encode() + b"\r\n" + body)
+        data = read_to_eof(sock)
+    head_bytes, _, payload = data.partition(b"\r\n\r\n")
+    status = int(head_bytes.split()[1])
+    if b"transfer-encoding: chunked" in head_bytes.lower():
+        payload = dechunk(payload)
+    return status, payload
+
+
+def one_http1(port: int, rng: random.Random, result: SoakResult, lock: threading.Lock) -> None:
+    kind = rng.choice(["hello", "echo", "stream", "slow", "thread"])
+    leaving = rng.random() < 0.5
+    if not leaving:
+        if kind == "echo":
+            sent = rng.randbytes(rng.randint(0, 20000))
+            status, body = http1_request(port, "POST", "/echo", sent)
+            expected = sent
+        elif kind == "stream":
+            status, body = http1_request(port, "GET", "/stream?n=20")
+            expected = b"".join(b"%05d\n" % index for index in range(20))
+        else:
+            target = {"hello": "/hello", "slow": "/slow?t=0.01", "thread": "/thread?t=0.01"}
+            status, body = http1_request(port, "GET", target[kind])
+            expected = {"hello": b"hello", "slow": b"slow done", "thread": b"thread done"}[kind]
+        with lock:
+            result.completed += 1
+            if status != 200 or body != expected:
+                result.errors.append(f"{kind}: {status} {body[:80]!r}")
+        return
+    where = rng.choice(["headers", "mid-body", "mid-stream", "in-thread"])
+    sock = connect(port)
+    if where == "headers":
+        sock.sendall(f"GET /slow?t=5 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        time.sleep(rng.uniform(0, 0.01))
+    elif where == "mid-body":
+        head = f"POST /echo HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 50000\r\n\r\n"
+        sock.sendall(head.encode() + rng.randbytes(rng.randint(0, 20000)))
+    elif where == "mid-stream":
+        sock.sendall(f"GET /stream?n=500 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        sock.recv(rng.randint(1, 400))
+    else:
+        sock.sendall(f"GET /thread?t=0.02 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        time.sleep(rng.uniform(0, 0.01))
+    how = leave(sock, rng)
+    with lock:
+        result.departures[f"{where}/{how}"] += 1
+
+
+def h2_client(
+    port: int, count: int, rng: random.Random, result: SoakResult, lock: threading.Lock
+) -> None:
+    done = 0
+    while done < count:
+        with connect(port) as sock:
+            client = H2Client(sock, port)
+            while done < count:
+                done += 1
+                kind = rng.choice(["hello", "stream", "slow", "thread"])
+                target = {
+                    "hello": "/hello",
+                    "stream": "/stream?n=20",
+                    "slow": "/slow?t=0.01",
+                    "thread": "/thread?t=0.01",
+                }[kind]
+                leaving = rng.random() < 0.5
+                if leaving:
+                    target = target.replace("n=20", "n=500").replace("t=0.01", "t=5")
+                stream_id = client.get(target)
+                if not leaving:
+                    client.read_until_ended(stream_id)
+                    expected = {
+                        "hello": b"hello",
+                        "stream": b"".join(b"%05d\n" % index for index in range(20)),
+                        "slow": b"slow done",
+                        "thread": b"thread done",
+                    }[kind]
+                    with lock:
+                        result.completed += 1
+                        body = client.body.get(stream_id, b"")
+                        if client.status.get(stream_id) != 200 or body != expected:
+                            result.errors.append(f"h2 {kind}: {body[:80]!r}")
+                    continue
+                time.sleep(rng.uniform(0, 0.01))
+                if rng.random() < 0.8:
+                    client.reset_stream(stream_id)
+                    with lock:
+                        result.departures[f"h2-{kind}/rst-stream"] += 1
+                else:
+                    how = leave(sock, rng)
+                    with lock:
+                        result.departures[f"h2-{kind}/conn-{how}"] += 1
+                    break
+
+
+def settle(port: int, baseline: int) -> Stats:
+    """Wait until the server's task count is back to its baseline (or the deadline)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while True:
+        current = stats(port)
+        if current.tasks <= baseline or time.monotonic() > deadline:
+            return current
+        time.sleep(0.1)
+
+
+def soak(
+    server: Server, *, requests: int, clients: int = 4, h2: bool = False, seed: int = 13
+) -> SoakResult:
+    result = SoakResult(server=server.spec.name + ("-h2c" if h2 else ""))
+    for _ in range(20):  # warm up: imports, the thread pool, the first connections
+        get(server.port, "/hello")
+        http1_request(server.port, "GET", "/thread?t=0")
+    result.before = stats(server.port)
+    lock = threading.Lock()
+    per_client = requests // clients
+    started = time.monotonic()
+
+    def run(index: int) -> None:
+        rng = random.Random(seed * 1000 + index)
+        try:
+            if h2:
+                h2_client(server.port, per_client, rng, result, lock)
+            else:
+                for _ in range(per_client):
+                    one_http1(server.port, rng, result, lock)
+        except Exception as exc:  # a client error is a finding, not a crash of the soak
+            with lock:
+                result.errors.append(f"client {index}: {exc!r}")
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    result.seconds = time.monotonic() - started
+    result.requests = per_client * clients
+    result.after = settle(server.port, result.before.tasks)
+    return result
+
+
+SPECS: list[tuple[ServerSpec, bool]] = [
+    (UVICORN_HTTPTOOLS, False),
+    (HYPERCORN_ASYNCIO, False),
+    (HYPERCORN_ASYNCIO, True),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=20000, help="per server")
+    parser.add_argument("--clients", type=int, default=4)
+    args = parser.parse_args()
+    for spec, h2 in SPECS:
+        with tempfile.TemporaryDirectory() as workdir:
+            with running_server(spec, TARGET, Path(workdir)) as server:
+                result = soak(server, requests=args.requests, clients=args.clients, h2=h2)
+                traceback = "Traceback" in server.log()
+            print(report(result, traceback))  # noqa: T201
+
+
+def report(result: SoakResult, traceback: bool) -> str:
+    assert result.before is not None
+    assert result.after is not None
+    return (
+        f"{result.server}: {result.requests} requests in {result.seconds:.1f} s, "
+        f"{result.completed} completed, {sum(result.departures.values())} departures "
+        f"({dict(sorted(result.departures.items()))}), errors {len(result.errors)} "
+        f"{result.errors[:3]}, tasks {result.before.tasks} -> {result.after.tasks}, "
+        f"RSS {result.before.rss_kib / 1024:.1f} -> {result.after.rss_kib / 1024:.1f} MiB, "
+        f"traceback in log: {traceback}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The app the soak and shutdown tests serve: `reliability.soak_app:app` (and `bare_app`).
+
+- `/hello`: 200 "hello".
+- `/echo` (POST): reads the body, answers it back.
+- `/stream?n=K`: K chunks `b"%05d\\n"`, 2 ms apart.
+- `/slow?t=S`: sleeps S seconds, then "slow done".
+- `/thread?t=S`: sleeps S seconds in a worker thread, then "thread done".
+- `/stats`: `{"tasks": len(asyncio.all_tasks()), "rss_kib": VmRSS}` of the server process.
+
+Each request's end is printed to stderr only when something unexpected escapes the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import parse_qs
+
+from asgi_cancel import CancelOnDisconnectMiddleware
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return -1
+
+
+def chunk(index: int) -> bytes:
+    return b"%05d\n" % index
+
+
+async def respond(send: Send, body: bytes, status: int = 200) -> None:
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def soak(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    query = parse_qs(scope.get("query_string", b"").decode())
+    path = scope["path"]
+    if path == "/echo":
+        body = b""
+        more_body = True
+        while more_body:
+            message = await receive()
+            body += message.get("body", b"")
+            more_body = message.get("more_body", False)
+        await respond(send, body)
+    elif path == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for index in range(int(query.get("n", ["50"])[0])):
+            await send({"type": "http.response.body", "body": chunk(index), "more_body": True})
+            await asyncio.sleep(0.002)
+        await send({"type": "http.response.body", "body": b""})
+    elif path == "/slow":
+        await asyncio.sleep(float(query.get("t", ["0.05"])[0]))
+        await respond(send, b"slow done")
+    elif path == "/thread":
+        await asyncio.to_thread(time.sleep, float(query.get("t", ["0.05"])[0]))
+        await respond(send, b"thread done")
+    elif path == "/stats":
+        stats = {"tasks": len(asyncio.all_tasks()), "rss_kib": rss_kib()}
+        await respond(send, json.dumps(stats).encode())
+    else:
+        await respond(send, b"hello")
+
+
+app = CancelOnDisconnectMiddleware(soak)
+bare_app = soak
