@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from . import serving_client as client
-from ._util import ROOT, emit, loadavg, machine, results_dir, save
+from ._util import ROOT, emit, load, loadavg, machine, results_dir, save
 from .serving_servers import (
     MODEL_DIR,
     TARGETS,
@@ -326,7 +326,7 @@ def metric(summary: dict[str, Any], name: str, stat: str) -> float:
 def one_aiperf(
     server: Target, settings: Settings, rate: int, delay: float, out: Path
 ) -> dict[str, Any]:
-    server.wait_idle()
+    server.settle()
     generated_before = server.generated_tokens()
     wasted_before = server.wasted_tokens()
     completed = subprocess.run(
@@ -462,7 +462,7 @@ def run_short(pair: Pair, settings: Settings) -> dict[str, Any]:
     for rep in range(settings.short_reps):
         for variant in alternating(rep):
             server = pair.servers[variant]
-            server.wait_idle()
+            server.settle()
             before = server.generated_tokens()
             wasted_before = server.wasted_tokens()
             result = asyncio.run(
@@ -508,20 +508,24 @@ def run_target(target: str, settings: Settings, work: Path, install: bool) -> di
 def run(
     quick: bool, targets: Sequence[str] = TARGETS, *, require: bool = False, install: bool = True
 ) -> Path:
+    """Measure `targets`; a full run of some targets keeps the others' last results."""
     settings = QUICK if quick else FULL
-    load = {"first": loadavg(), "waited_s": 0.0} if quick else wait_for_quiet()
     started = time.time()
     results: dict[str, Any] = {
         "benchmark": "serving",
         "quick": quick,
         "started": started,
         "machine": machine(),
-        "load": load,
         "settings": asdict(settings),
         "command": f"python -m benchmarks serving{' --quick' if quick else ''}",
         "targets": {},
     }
     folder = results_dir(quick)
+    previous = None if quick else load("serving", folder)
+    if previous is not None and set(targets) != set(TARGETS):
+        for target, data in previous.get("targets", {}).items():
+            if target not in targets and "skipped" not in data:
+                results["targets"][target] = data
     with tempfile.TemporaryDirectory(prefix="asgi-cancel-serving-") as scratch:
         work = Path(scratch)
         for target in targets:
@@ -533,14 +537,24 @@ def run(
                 emit(f"[vllm] skipped: {reason}")
                 continue
             ensure_model()
+            wait = float(os.environ.get("BENCH_LOAD_WAIT", "900"))
+            load_state = (
+                {"first": loadavg(), "waited_s": 0.0} if quick else wait_for_quiet(timeout=wait)
+            )
             target_started = time.monotonic()
             if target == "vllm":
                 with engine_lock(quick):
                     data = run_target(target, settings.for_target(target), work / target, install)
             else:
                 data = run_target(target, settings.for_target(target), work / target, install)
+            data["started"] = time.time() - (time.monotonic() - target_started)
+            data["load"] = load_state
             data["seconds"] = round(time.monotonic() - target_started, 1)
             data["settings"] = asdict(settings.for_target(target))
+            data["command"] = results["command"] + (
+                "" if set(targets) == set(TARGETS) else f" --target {target}"
+            )
+            data["code"] = results["machine"].get("code", {})
             results["targets"][target] = data
     results["seconds"] = round(time.time() - started, 1)
     results["load_after"] = loadavg()

@@ -174,6 +174,32 @@ def short_table(data: dict[str, Any], settings: dict[str, Any]) -> str:
     )
 
 
+def _loads(values: list[float]) -> str:
+    return "/".join(f"{x:.2f}" for x in values)
+
+
+def footer(title: str, data: dict[str, Any], results: dict[str, Any]) -> str:
+    """When and how one target was measured (older files keep this at the top level)."""
+    load = data.get("load", results.get("load", {}))
+    at_start = load.get("at_start", load.get("first", []))
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime(data.get("started", results["started"])))
+    code = data.get("code", results["machine"].get("code", {}))
+    waited = (
+        f" (waited {load.get('waited_s', 0):.0f} s for < {load['limit']}"
+        f"{'' if load.get('quiet', True) else ': never came, measured anyway'})"
+        if "limit" in load
+        else ""
+    )
+    return (
+        f"<sub>{title}: `{data.get('command', results['command'])}` · started {started} UTC · "
+        f"{data.get('seconds', 0):.0f} s · load average (1/5/15 min) at start "
+        f"{_loads(at_start)}{waited}, after {_loads(data.get('load_after', []))} · "
+        f"asgi-cancel source sha256 {code.get('asgi_cancel_sha256', '?')} "
+        f"(commit {code.get('commit', '?')}"
+        f"{', modified' if code.get('asgi_cancel_modified') else ''})</sub>"
+    )
+
+
 def tables(results: dict[str, Any]) -> str:
     parts = []
     for target, data in results["targets"].items():
@@ -193,17 +219,9 @@ def tables(results: dict[str, Any]) -> str:
             f"**{title}**: a short request behind cancelled ones",
             short_table(data["short"], data.get("settings", results["settings"])),
         ]
-    load = results["load"]
-    at_start = "/".join(f"{x:.2f}" for x in load.get("at_start", load["first"]))
-    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime(results["started"]))
-    code = results["machine"].get("code", {})
-    parts.append(
-        f"<sub>`{results['command']}` · started {started} UTC · {results['seconds']:.0f} s · "
-        f"load average (1/5/15 min) at start {at_start}"
-        f" (waited {load['waited_s']:.0f} s for it), after "
-        f"{'/'.join(f'{x:.2f}' for x in results['load_after'])} · asgi-cancel source sha256 "
-        f"{code.get('asgi_cancel_sha256', '?')} (commit {code.get('commit', '?')})</sub>"
-    )
+    for target, data in results["targets"].items():
+        if "skipped" not in data:
+            parts.append(footer(TARGET_TITLES.get(target, target), data, results))
     return "\n\n".join(parts)
 
 

@@ -42,6 +42,7 @@ VLLM_MAX_NUM_SEQS = 16
 SIM_STEP_TIME = 0.01
 SIM_MAX_BATCH = 16
 MAX_MODEL_LEN = 512
+SETTLE_S = 1.5
 
 
 def have_vllm() -> bool:
@@ -227,6 +228,13 @@ class Target:
                 raise RuntimeError(f"{self.name}: engine still busy after {timeout} s")
             time.sleep(0.02)
         return time.monotonic() - started
+
+    def settle(self) -> None:
+        """Idle, and past vLLM's busy-poll window: after its last step a vLLM worker spins on
+        its shared-memory queue for 1 s (`busy_loop_s`), which would take CPU from the server
+        measured next (both variants stay up side by side)."""
+        self.wait_idle()
+        time.sleep(SETTLE_S)
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

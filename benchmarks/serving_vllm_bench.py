@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+SETTLE_S = 1.5
 KEYS = (
     "completed",
     "failed",
@@ -55,6 +56,7 @@ def run_jobs(jobs: list[dict[str, Any]]) -> None:
         serve.add_cli_args(parser)
         args = parser.parse_args(job["args"])
         printed = io.StringIO()
+        time.sleep(SETTLE_S)  # past the other server's vLLM busy-poll window (1 s)
         started = time.time()
         with contextlib.redirect_stdout(printed):
             result: dict[str, Any] = serve.main(args)
