@@ -65,6 +65,12 @@ def bench_table(data: dict[str, Any]) -> str:
             ratio = _ratio(with_, without)
             within = (ratio >= 0.99) if higher else (ratio <= 1.01)
             digits = 2 if key.endswith("_ms") or key == "request_throughput" else 1
+            pairs = [
+                _ratio(float(b[key]), float(a[key]))
+                for a, b in zip(variants.get("without", []), variants.get("with", []), strict=False)
+                if a.get(key) and b.get(key) is not None
+            ]
+            alone = [float(a[key]) for a in variants.get("without", []) if a.get(key)]
             rows.append(
                 [
                     concurrency,
@@ -73,6 +79,8 @@ def bench_table(data: dict[str, Any]) -> str:
                     fmt(with_, digits),
                     fmt(ratio, 3),
                     "yes" if within else "**no**",
+                    f"{fmt(min(pairs), 2)}-{fmt(max(pairs), 2)}" if pairs else "n/a",
+                    fmt(max(alone) / min(alone), 2) if alone else "n/a",
                     reps,
                 ]
             )
@@ -84,6 +92,8 @@ def bench_table(data: dict[str, Any]) -> str:
             "with",
             "with/without",
             "within 1%",
+            "pairs (min-max)",
+            "without: max/min of its own runs",
             "runs each",
         ],
         rows,
