@@ -209,9 +209,12 @@ def run_vllm_bench(pair: Pair, settings: Settings, work: Path) -> dict[str, Any]
             for variant in alternating(rep):
                 out = work / f"bench-c{concurrency}-r{rep}-{variant}.json"
                 args = bench_args(pair.servers[variant], settings, concurrency)
-                jobs.append({"args": args, "out": str(out), "key": (concurrency, variant)})
+                pid = pair.servers[variant].pid
+                jobs.append(
+                    {"args": args, "out": str(out), "pid": pid, "key": (concurrency, variant)}
+                )
     jobs_file = work / "bench-jobs.json"
-    jobs_file.write_text(json.dumps([{"args": j["args"], "out": j["out"]} for j in jobs]))
+    jobs_file.write_text(json.dumps([{k: j[k] for k in ("args", "out", "pid")} for j in jobs]))
     started = time.monotonic()
     completed = subprocess.run(
         [str(VLLM_PYTHON), "-m", "benchmarks.serving_vllm_bench", str(jobs_file)],

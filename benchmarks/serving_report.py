@@ -27,11 +27,20 @@ BENCH_FIGURES = [
     ("p99_tpot_ms", "TPOT p99 ms", False),
     ("median_itl_ms", "ITL median ms", False),
     ("p99_itl_ms", "ITL p99 ms", False),
+    ("server_cpu_ms_per_request", "server process CPU ms/request", False),
 ]
 
 
+def _value(run: dict[str, Any], key: str) -> float | None:
+    if key == "server_cpu_ms_per_request":
+        cpu, done = run.get("server_cpu_s"), run.get("completed")
+        return None if cpu is None or not done else cpu * 1000 / done
+    value = run.get(key)
+    return None if value is None else float(value)
+
+
 def _median_of(runs: list[dict[str, Any]], key: str) -> float:
-    values = [float(run[key]) for run in runs if run.get(key) is not None]
+    values = [v for v in (_value(run, key) for run in runs) if v is not None]
     return median(values)
 
 

