@@ -16,6 +16,7 @@ reached the endpoint) or `done`; `thread-start` and `thread-end` from the worker
   with another request), then "queued done".
 - `/upload`: waits until `/open` is called, then reads the whole body and answers
   `<length> <sha256>`; the body it has not read yet is what `read_ahead` bounds.
+- `/echo`: reads the whole body at once and answers it back.
 - `/open`: opens the gate for every waiting and future `/upload`.
 """
 
@@ -131,6 +132,14 @@ async def endpoint(scope: Scope, receive: Receive, send: Send, rid: str) -> None
             digest.update(message.get("body", b""))
             more_body = message.get("more_body", False)
         await respond(send, f"{length} {digest.hexdigest()}".encode())
+    elif path == "/echo":
+        body = b""
+        more_body = True
+        while more_body:
+            message = await receive()
+            body += message.get("body", b"")
+            more_body = message.get("more_body", False)
+        await respond(send, body)
     elif path == "/open":
         gate().set()
         await respond(send, b"open")
