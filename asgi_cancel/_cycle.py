@@ -1,20 +1,21 @@
-"""One request's state machine: owning the server's `receive`, replaying, and deciding to cancel.
+"""One request's state machine: owning the server's `receive`, replaying, deciding to cancel.
 
-The event-loop specific parts (parking, cancelling the app, timers) live in the subclasses in
-`_middleware.py` (asyncio) and `_trio.py` (trio).
+No event-loop code here: parking, cancelling the app and timers are the `Loop` a driver
+(`_asyncio.py`, `_trio.py`) attaches to the cycle, only once the request needs one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from time import monotonic as _monotonic
-from typing import Any, Protocol
+from time import monotonic
+from typing import Protocol
 
-from ._token import CancelToken
-from ._types import Message, Receive, Scope, Send
+from ._token import Canceller, CancelToken
+from .types import Message, OnCancelled, Receive, Scope, Send
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -22,85 +23,106 @@ REASON = "client disconnected"
 # Empty `http.request` messages tolerated after the body is complete before the watcher gives
 # up on a server's receive (a server that answered every call at once would otherwise spin).
 _MAX_EXTRA_REQUESTS = 3
+_COMPLETING = ("http.response.pathsend", "http.response.zerocopy")
 
-OnCancelled = Callable[..., object]
+
+class State(enum.IntEnum):
+    """Where a request is; what a disconnect means in each state is in the comments."""
+
+    READING_BODY = 0  # body messages still to come: a disconnect cancels
+    WATCHING = 1  # body complete, response not: a disconnect cancels (or lets a listener react)
+    RESPONSE_COMPLETE = 2  # final response message handed to send: a disconnect is the normal end
+    CANCELLED = 3  # the client left first: token fired, app cancelled, sends dropped
+    FINISHED = 4  # the app returned: a late receive() gets a disconnect, a send is dropped
 
 
-class Cycle(CancelToken):
-    """The middleware's view of one HTTP request/response cycle, and its `CancelToken`.
+_READING_BODY = State.READING_BODY
+_WATCHING = State.WATCHING
+_RESPONSE_COMPLETE = State.RESPONSE_COMPLETE
+_CANCELLED = State.CANCELLED
+_FINISHED = State.FINISHED
 
-    One object per request: the token the app sees is the cycle itself, so a request that
-    never waits costs a single allocation and no reference cycle.
+
+class Options(Protocol):
+    """What a cycle reads from its middleware (only when it needs it)."""
+
+    read_ahead: int
+    grace: float
+    on_cancelled: OnCancelled | None
+    watch_delay: float
+
+
+class Loop(Canceller, Protocol):
+    """What one request needs from its event loop; a driver attaches one to the cycle."""
+
+    async def park(self) -> None:
+        """Wait until `wake()`."""
+
+    def wake(self) -> None:
+        """Wake every parked caller."""
+
+    async def checkpoint(self) -> None:
+        """Let a pending cancellation of the app task land."""
+
+    def start_grace(self) -> None:
+        """Give an app that listens for the disconnect itself `grace` seconds, then decide."""
+
+
+class Cycle:
+    """The middleware's view of one HTTP request/response cycle.
+
+    Slim on purpose: a request that never waits touches only the first group of fields.
+    `send()` parses nothing; the last message sent is read only when a disconnect needs to
+    know whether the response was complete.
     """
 
     __slots__ = (
         "app_waiting",
+        "attach",
         "body_complete",
         "buffer",
         "buffered",
-        "cancel_issued",
-        "config",
         "disconnect",
-        "done",
-        "grace_timer",
-        "lot",
+        "first_sent",
+        "last_sent",
+        "loop",
+        "options",
         "reading",
         "real_receive",
         "real_send",
-        "response_complete",
-        "response_started",
         "scope",
-        "spawned",
         "started_at",
-        "task",
-        "trailers",
-        "watcher",
+        "state",
+        "token",
     )
 
-    def __init__(self, scope: Scope, receive: Receive, send: Send, config: Config) -> None:
-        self.scope = scope
-        self.real_receive = receive
-        self.real_send = send
-        self.config = config
-        self.started_at = _monotonic()
-        # CancelToken's fields, set here rather than through super().__init__() (hot path).
-        self._cancelled = False
-        self._reason: str | None = None
-        self._callbacks: dict[object, Any] | None = None
-        self._shield_depth = 0
-        self._deferred = False
-        self.buffer: deque[Message] | None = None
-        self.buffered = 0
-        self.body_complete = False
-        self.disconnect: Message | None = None
-        self.reading = False
-        self.app_waiting = 0
-        self.response_started = False
-        self.response_complete = False
-        self.trailers = False
-        self.done = False
-        self.cancel_issued = False
-        # Filled by the event-loop specific subclass, when needed.
-        self.task: Any = None
-        self.lot: Any = None
-        self.watcher: Any = None
-        self.grace_timer: Any = None
-        self.spawned: Any = None
+    scope: Scope
+    real_receive: Receive
+    real_send: Send
+    options: Options
+    attach: Callable[[Cycle], Loop]
+    token: CancelToken
+    state: State
+    disconnect: Message | None
+    first_sent: Message | None
+    last_sent: Message | None
+    loop: Loop | None
+    body_complete: bool
+    reading: bool
+    app_waiting: int
+    buffer: deque[Message] | None
+    buffered: int
+    started_at: float
 
-    # -- event-loop specific ------------------------------------------------------------------
-    async def park(self) -> None:
-        raise NotImplementedError
+    def attached(self) -> Loop:
+        """The request's `Loop`, attached on first need (a yield, a disconnect)."""
+        loop = self.loop
+        if loop is None:
+            loop = self.loop = self.attach(self)
+            self.started_at = monotonic()
+        return loop
 
-    def wake(self) -> None:
-        raise NotImplementedError
-
-    def schedule_grace(self) -> None:
-        raise NotImplementedError
-
-    async def checkpoint(self) -> None:
-        raise NotImplementedError
-
-    # -- what the app sees --------------------------------------------------------------------
+    # -- what the app sees ---------------------------------------------------------------------
     async def receive(self) -> Message:
         self.app_waiting += 1
         try:
@@ -116,7 +138,7 @@ class Cycle(CancelToken):
                 if not self.reading:
                     # Nobody holds the server's receive: read it ourselves, no task needed.
                     return await self._read_for_app()
-                await self.park()
+                await self.attached().park()
         finally:
             self.app_waiting -= 1
 
@@ -130,34 +152,59 @@ class Cycle(CancelToken):
         message_type = message["type"]
         if message_type == "http.request":
             if not message.get("more_body", False):
-                self.body_complete = True
+                self._body_completed()
         elif message_type == "http.disconnect":
-            self.on_disconnect(message)
-            if self.cancel_issued:
-                await self.checkpoint()  # the cancellation lands here, not in the app's handler
+            if self.on_disconnect(message):
+                await self.attached().checkpoint()  # the cancellation lands here, not in the app
         return message
 
     def send(self, message: Message) -> Awaitable[None]:
-        # A plain function handing back the server's own awaitable: no coroutine frame of our
-        # own on the per-token path, only these flag checks.
+        # A plain function handing back the server's own awaitable: no coroutine frame, no
+        # parsing. The message is recorded BEFORE the server's send is awaited: hypercorn-trio
+        # delivers the disconnect before that send returns, and must find the response complete.
         if self.disconnect is not None:
             # The client is gone. Dropping is what every server does, except hypercorn over
             # HTTP/2 after the TCP connection closed, where send() would hang forever.
             return _dropped()
-        message_type = message["type"]
-        if message_type == "http.response.body":
-            if not self.trailers and not message.get("more_body", False):
-                # Set BEFORE awaiting: hypercorn-trio delivers the disconnect before it returns.
-                self.response_complete = True
-        elif message_type == "http.response.start":
-            self.response_started = True
-            self.trailers = bool(message.get("trailers", False))
-        elif message_type == "http.response.trailers":
-            if not message.get("more_trailers", False):
-                self.response_complete = True
-        elif message_type in ("http.response.pathsend", "http.response.zerocopy"):
-            self.response_complete = True
+        if self.first_sent is None:
+            self.first_sent = message
+        self.last_sent = message
         return self.real_send(message)
+
+    def wake(self) -> None:
+        if self.loop is not None:
+            self.loop.wake()
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def response_started(self) -> bool:
+        return self.first_sent is not None
+
+    def _body_completed(self) -> None:
+        self.body_complete = True
+        if self.state is _READING_BODY:
+            self.state = _WATCHING
+
+    def _response_complete(self) -> bool:
+        """Whether the last message sent ended the response (parsed only when needed)."""
+        last = self.last_sent
+        if last is None:
+            return False
+        message_type = last["type"]
+        if message_type == "http.response.body":
+            start = self.first_sent
+            trailers = start is not None and start.get("trailers", False)
+            return not trailers and not last.get("more_body", False)
+        if message_type == "http.response.trailers":
+            return not last.get("more_trailers", False)
+        return message_type in _COMPLETING
+
+    def finished(self) -> None:
+        """The app returned: what a late `receive()` or `send()` meets from now on."""
+        self.state = _FINISHED
+        self.token.release()
+        if self.disconnect is None:
+            self.disconnect = REQUEST_OVER  # a late receive() gets it, a send drops
 
     # -- the watcher ---------------------------------------------------------------------------
     async def watch(self) -> None:
@@ -171,15 +218,16 @@ class Cycle(CancelToken):
 
     async def _watch(self) -> None:
         receive = self.real_receive
-        read_ahead = self.config.read_ahead
+        read_ahead = self.options.read_ahead
+        loop = self.attached()
         extra = 0
-        while self.disconnect is None and not self.done:
+        while self.disconnect is None and self.state is not _FINISHED:
             # At least one message is read ahead whatever `read_ahead` says: a request with no
             # body is watched from the start.
             if self.reading or (
                 not self.body_complete and self.buffered and self.buffered >= read_ahead
             ):
-                await self.park()
+                await loop.park()
                 continue
             self.reading = True
             try:
@@ -204,34 +252,44 @@ class Cycle(CancelToken):
                             return
                         continue
                 elif not message.get("more_body", False):
-                    self.body_complete = True
+                    self._body_completed()
                 self.buffered += len(message.get("body", b""))
             if self.buffer is None:
                 self.buffer = deque()
             self.buffer.append(message)
-            self.wake()
+            loop.wake()
 
-    def on_disconnect(self, message: Message) -> None:
+    def on_disconnect(self, message: Message) -> bool:
+        """Cache the disconnect; cancel if the response is not complete. Returns whether the
+        app's cancellation was requested at once."""
         self.disconnect = message
-        if not self.response_complete and not self.done:
-            # The app is listening itself when it waits in receive() after the whole body
-            # (Starlette's StreamingResponse below spec 2.4, vLLM's with_cancellation): give it
-            # the message first, and cancel only what still runs after the grace period.
-            # Callers already handed a buffered message (woken, not yet resumed) are not
-            # listening: they are still reading the body.
-            listening = self.body_complete and self.app_waiting > len(self.buffer or ())
-            try:
-                self.fire()
-            finally:
-                if listening:
-                    self.schedule_grace()
-                else:
-                    self._request_cancel()
+        requested = False
+        if self.state is _READING_BODY or self.state is _WATCHING:
+            if self._response_complete():
+                self.state = _RESPONSE_COMPLETE
+            else:
+                # The app is listening itself when it waits in receive() after the whole body
+                # (Starlette's StreamingResponse below spec 2.4, vLLM's with_cancellation):
+                # give it the message first, and cancel only what still runs after the grace
+                # period. Callers already handed a buffered message (woken, not yet resumed)
+                # are not listening: they are still reading the body.
+                listening = self.state is _WATCHING and self.app_waiting > len(self.buffer or ())
+                self.state = _CANCELLED
+                loop = self.attached()
+                try:
+                    self._fire(loop)
+                finally:
+                    if listening:
+                        loop.start_grace()
+                    else:
+                        self.token.cancel_app()
+                        requested = True
         self.wake()
+        return requested
 
-    def fire(self) -> None:
-        elapsed = _monotonic() - self.started_at
-        self._fire(REASON)
+    def _fire(self, loop: Loop) -> None:
+        elapsed = monotonic() - self.started_at
+        self.token.fire(REASON, loop)
         scope = self.scope
         logger.info(
             "%s %s cancelled: %s after %.3fs (499)",
@@ -240,7 +298,7 @@ class Cycle(CancelToken):
             REASON,
             elapsed,
         )
-        on_cancelled = self.config.on_cancelled
+        on_cancelled = self.options.on_cancelled
         if on_cancelled is not None:
             try:
                 on_cancelled(
@@ -251,6 +309,36 @@ class Cycle(CancelToken):
                 )
             except (Exception, asyncio.CancelledError):
                 logger.exception("asgi_cancel: on_cancelled hook raised")
+
+
+REQUEST_OVER: Message = {"type": "http.disconnect"}
+_new_object = object.__new__
+
+
+def new_cycle(
+    scope: Scope, receive: Receive, send: Send, options: Options, attach: Callable[[Cycle], Loop]
+) -> Cycle:
+    """A new `Cycle`: its constructor, as a function because `type.__call__` and a Python
+    `__init__` called from C cost ~1k instructions per request, a tenth of the whole budget."""
+    cycle: Cycle = _new_object(Cycle)
+    cycle.scope = scope
+    cycle.real_receive = receive
+    cycle.real_send = send
+    cycle.options = options
+    cycle.attach = attach
+    cycle.token = CancelToken()
+    cycle.state = _READING_BODY
+    cycle.disconnect = None
+    cycle.first_sent = None
+    cycle.last_sent = None
+    cycle.loop = None
+    cycle.body_complete = False
+    cycle.reading = False
+    cycle.app_waiting = 0
+    cycle.buffer = None
+    cycle.buffered = 0
+    cycle.started_at = 0.0
+    return cycle
 
 
 async def _dropped() -> None:
@@ -273,11 +361,3 @@ async def send_cancelled_response(scope: Scope, send: Send) -> None:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
     except Exception:  # ASGI lets a server raise OSError for a send to a closed connection
         logger.debug("asgi_cancel: the 499 for a cancelled request was refused", exc_info=True)
-
-
-class Config(Protocol):
-    """What a cycle reads from its middleware (only when it needs it)."""
-
-    read_ahead: int
-    grace: float
-    on_cancelled: OnCancelled | None

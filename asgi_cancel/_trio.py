@@ -1,4 +1,4 @@
-"""The trio side of the middleware: a nursery for the watcher, a cancel scope for the app."""
+"""The trio driver: a nursery for the watcher, a cancel scope for the app."""
 
 from __future__ import annotations
 
@@ -6,64 +6,75 @@ import asyncio
 import inspect
 import sys
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
 
 import trio
 
-from ._cycle import Config, Cycle, logger, send_cancelled_response
-from ._token import _current
-from ._types import Receive, Scope, Send
+from ._cycle import Cycle, Options, State, logger, new_cycle, send_cancelled_response
+from ._token import bind, unbind
+from .types import AnyASGIApp, Receive, Scope, Send
 
 if sys.version_info < (3, 11):  # trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
 
-if TYPE_CHECKING:
-    from ._middleware import CancelOnDisconnectMiddleware
+_FINISHED = State.FINISHED
 
 
-async def run_trio(
-    middleware: CancelOnDisconnectMiddleware, scope: Scope, receive: Receive, send: Send
-) -> None:
-    cycle = _TrioCycle(scope, receive, send, middleware)
-    reset = _current.set(cycle)
-    error: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            cycle.nursery = nursery
-            nursery.start_soon(cycle.watch_in_scope)
-            try:
-                with cycle.app_scope:
-                    await middleware.app(scope, cycle.receive, cycle.send)
-            except asyncio.CancelledError:
-                # raise_if_cancelled() in a worker thread: asyncio's exception, trio's meaning.
-                if not cycle._cancelled:
-                    raise
-            except BaseException as exc:  # re-raised below, outside the nursery's group
-                error = exc
-            finally:
-                cycle.done = True
-                cycle.watch_scope.cancel()
-                cycle.grace_scope.cancel()
-    except BaseExceptionGroup as group:
-        # An outside cancellation also cancels the watcher; its Cancelled must not replace
-        # the app's own exception.
-        _, rest = group.split(trio.Cancelled)
-        if error is None or rest is not None:
-            raise
-    finally:
-        _current.reset(reset)
-        cycle.nursery = None
-    if error is not None:
-        raise error
-    if cycle._cancelled and not cycle.response_started:
-        await send_cancelled_response(scope, send)
+class TrioDriver:
+    """Runs requests on trio for one middleware instance. Every request is watched from its
+    start (a nursery costs little next to trio's own per-task cost)."""
+
+    __slots__ = ("app", "options")
+
+    def __init__(self, app: AnyASGIApp, options: Options) -> None:
+        self.app = app
+        self.options = options
+
+    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cycle = new_cycle(scope, receive, send, self.options, TrioLoop)
+        loop: TrioLoop = cycle.attached()  # type: ignore[assignment]
+        token = cycle.token
+        reset = bind(token)
+        error: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                loop.nursery = nursery
+                nursery.start_soon(loop.watch_in_scope)
+                try:
+                    with loop.app_scope:
+                        await self.app(scope, cycle.receive, cycle.send)
+                except asyncio.CancelledError:
+                    # raise_if_cancelled() in a worker thread: asyncio's exception, trio's
+                    # meaning.
+                    if not token.cancelled:
+                        raise
+                except BaseException as exc:  # re-raised below, outside the nursery's group
+                    error = exc
+                finally:
+                    cycle.finished()
+                    loop.watch_scope.cancel()
+                    loop.grace_scope.cancel()
+        except BaseExceptionGroup as group:
+            # An outside cancellation also cancels the watcher; its Cancelled must not replace
+            # the app's own exception.
+            _, rest = group.split(trio.Cancelled)
+            if error is None or rest is not None:
+                raise
+        finally:
+            unbind(reset)
+            loop.nursery = None
+        if error is not None:
+            raise error
+        if token.cancelled and not cycle.response_started:
+            await send_cancelled_response(scope, send)
 
 
-class _TrioCycle(Cycle):
-    __slots__ = ("app_scope", "grace_scope", "nursery", "watch_scope")
+class TrioLoop:
+    """One request's trio side: parked callers, the app's and the watcher's cancel scopes."""
 
-    def __init__(self, scope: Scope, receive: Receive, send: Send, config: Config) -> None:
-        super().__init__(scope, receive, send, config)
+    __slots__ = ("app_scope", "cycle", "grace_scope", "lot", "nursery", "watch_scope")
+
+    def __init__(self, cycle: Cycle) -> None:
+        self.cycle = cycle
         self.lot = trio.lowlevel.ParkingLot()
         self.app_scope = trio.CancelScope()
         self.watch_scope = trio.CancelScope()
@@ -72,7 +83,7 @@ class _TrioCycle(Cycle):
 
     async def watch_in_scope(self) -> None:
         with self.watch_scope:
-            await self.watch()
+            await self.cycle.watch()
 
     async def park(self) -> None:
         await self.lot.park()
@@ -81,27 +92,28 @@ class _TrioCycle(Cycle):
         if self.lot:
             self.lot.unpark_all()
 
-    def _cancel_app(self) -> None:
-        if self.done or self.cancel_issued:
-            return
-        self.cancel_issued = True
-        self.app_scope.cancel()
+    async def checkpoint(self) -> None:
+        await trio.lowlevel.checkpoint()
 
-    def schedule_grace(self) -> None:
-        self.grace_scope.deadline = trio.current_time() + self.config.grace
+    def cancel_app(self) -> None:
+        if self.cycle.state is not _FINISHED:
+            self.app_scope.cancel()
+
+    def cancel_app_soon(self) -> None:
+        self.cancel_app()
+
+    def start_grace(self) -> None:
+        self.grace_scope.deadline = trio.current_time() + self.cycle.options.grace
         if self.nursery is not None:
             self.nursery.start_soon(self._wait_grace)
 
     async def _wait_grace(self) -> None:
         with self.grace_scope:
             await trio.sleep_forever()
-        if not self.done:
-            self._request_cancel()
+        if self.cycle.state is not _FINISHED:
+            self.cycle.token.cancel_app()
 
-    async def checkpoint(self) -> None:
-        await trio.lowlevel.checkpoint()
-
-    def _spawn(self, awaitable: Awaitable[object], /) -> None:
+    def spawn(self, awaitable: Awaitable[object], /) -> None:
         async def run() -> None:
             try:
                 await awaitable

@@ -1,15 +1,11 @@
-"""ASGI type aliases, kept free of any framework import (asgiref.typing is the reference)."""
+"""Compatibility: the ASGI aliases moved to the public `asgi_cancel.types`."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-# What the middleware accepts as the app it wraps: loose on purpose, so apps typed with their
-# own scope TypedDicts (Quart, hypercorn's types, asgiref.typing) type-check when wrapped.
-AnyASGIApp = Callable[[Any, Any, Any], Awaitable[Any]]
+from .types import AnyASGIApp as AnyASGIApp
+from .types import ASGIApp as ASGIApp
+from .types import Message as Message
+from .types import OnCancelled as OnCancelled
+from .types import Receive as Receive
+from .types import Scope as Scope
+from .types import Send as Send

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from asgi_cancel._types import ASGIApp, Message, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
 WATCHDOG = 5.0
 

@@ -10,7 +10,7 @@ import pytest
 
 import asgi_cancel
 from asgi_cancel import CancelOnDisconnectMiddleware
-from asgi_cancel._types import Receive, Scope, Send
+from asgi_cancel.types import Receive, Scope, Send
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -26,8 +26,25 @@ def test_all_lists_exactly_the_public_names() -> None:
     )
     public = {name for name in dir(asgi_cancel) if not name.startswith("_")}
     # submodules appear as attributes once imported elsewhere in the test session
-    assert public - {"testing", "vllm"} == set(asgi_cancel.__all__)
+    assert public - {"testing", "types", "vllm"} == set(asgi_cancel.__all__)
     assert isinstance(asgi_cancel.__version__, str)
+
+
+def test_types_module_exports_the_aliases() -> None:
+    import asgi_cancel._types
+    import asgi_cancel.types
+
+    assert asgi_cancel.types.__all__ == [
+        "ASGIApp",
+        "AnyASGIApp",
+        "Message",
+        "OnCancelled",
+        "Receive",
+        "Scope",
+        "Send",
+    ]
+    for name in asgi_cancel.types.__all__:  # the old private module still re-exports them
+        assert getattr(asgi_cancel._types, name) is getattr(asgi_cancel.types, name)
 
 
 def test_import_does_not_pull_optional_dependencies() -> None:
@@ -57,6 +74,9 @@ def test_non_callable_app_is_a_type_error() -> None:
         ("grace", float("inf")),
         ("grace", "1s"),
         ("on_cancelled", 42),
+        ("watch_delay", -0.001),
+        ("watch_delay", float("inf")),
+        ("watch_delay", "5ms"),
     ],
 )
 def test_bad_option_is_a_value_error_naming_it(option: str, value: Any) -> None:
@@ -70,6 +90,8 @@ def test_unknown_option_is_rejected() -> None:
 
 
 def test_valid_options_are_kept() -> None:
-    middleware = CancelOnDisconnectMiddleware(app, read_ahead=0, grace=0, on_cancelled=print)
-    assert (middleware.read_ahead, middleware.grace) == (0, 0.0)
+    middleware = CancelOnDisconnectMiddleware(
+        app, read_ahead=0, grace=0, on_cancelled=print, watch_delay=0
+    )
+    assert (middleware.read_ahead, middleware.grace, middleware.watch_delay) == (0, 0.0, 0.0)
     assert middleware.app is app

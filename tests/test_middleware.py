@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token, shield
-from asgi_cancel._types import Message, Receive, Scope, Send
 from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.types import Message, Receive, Scope, Send
 
 from .helpers import (
     QueueServer,
@@ -100,7 +100,7 @@ async def test_read_ahead_is_bounded_then_server_backpressure() -> None:
             got.append((await receive())["body"])
         await respond(send)
 
-    middleware = CancelOnDisconnectMiddleware(app, read_ahead=10)
+    middleware = CancelOnDisconnectMiddleware(app, read_ahead=10, watch_delay=0)
     task = asyncio.create_task(middleware(http_scope("POST"), server.receive, server.send))
     await with_watchdog(started.wait())
     for _ in range(20):

@@ -22,8 +22,8 @@ import pytest
 import trio
 
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token, shield
-from asgi_cancel._types import ASGIApp, Message, Receive, Scope, Send
 from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
 from .helpers import QueueServer, read_body, receive_once, respond, slow_app, until, with_watchdog
 from .test_middleware import CANCELLED_RESPONSE

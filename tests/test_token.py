@@ -9,8 +9,8 @@ import time
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
-from asgi_cancel._types import Receive, Scope, Send
 from asgi_cancel.testing import ClientConnection
+from asgi_cancel.types import Receive, Scope, Send
 
 from .helpers import read_body, respond, until, with_watchdog
 
@@ -164,8 +164,8 @@ def test_standalone_token_fires() -> None:
     token = CancelToken()
     seen: list[str] = []
     token.on_cancel(lambda: seen.append("cb"))
-    token._fire("test")
-    token._fire("again")  # once only
+    token.fire("test")
+    token.fire("again")  # once only
     assert token.cancelled
     assert token.reason == "test"
     assert seen == ["cb"]

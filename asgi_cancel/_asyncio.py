@@ -1,0 +1,342 @@
+"""The asyncio driver: run one request's app, watch its connection, cancel its task once.
+
+A request that runs to the end in a single step (a hello world, a cached answer) costs a
+`Cycle`, a token and nothing else: the app's first step is taken by hand to see whether it
+yields. One that yields gets an `AsyncioLoop`, and a watcher task once it has run for
+`watch_delay` seconds (at once for 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import sys
+import types
+from collections.abc import Awaitable, Generator
+from typing import Any
+
+from ._asyncio_task import protected, reacting
+from ._cycle import Cycle, Options, State, logger, new_cycle, send_cancelled_response
+from ._token import CancelToken, bind, run_detached, unbind
+from .types import AnyASGIApp, Receive, Scope, Send
+
+_HAS_UNCANCEL = sys.version_info >= (3, 11)
+_current_task = asyncio.current_task
+_CoroutineType = types.CoroutineType
+_CLOSED: frozenset[asyncio.Task[object]] = frozenset()
+_GRACE_HOPS = 3
+_FINISHED = State.FINISHED
+_NO_CONTEXT = contextvars.Context()
+
+
+class AsyncioDriver:
+    """Runs requests on asyncio for one middleware instance."""
+
+    __slots__ = ("app", "options")
+
+    def __init__(self, app: AnyASGIApp, options: Options) -> None:
+        self.app = app
+        self.options = options
+
+    def start(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None] | None:
+        """Run the app's first step, by hand and synchronously, inside the middleware's own
+        coroutine frame (no coroutine of ours per request). Returns None when the request is
+        over, else what the middleware must await for the rest of it."""
+        cycle = new_cycle(scope, receive, send, self.options, AsyncioLoop)
+        reset = bind(cycle.token)
+        awaitable: Any = self.app(scope, cycle.receive, cycle.send)
+        if type(awaitable) is not _CoroutineType:
+            awaitable = awaitable.__await__()
+        try:
+            step = awaitable.send(None)
+        except StopIteration:
+            # It never yielded: nothing was watched, nothing to wait for (unless the app read a
+            # disconnect itself in that step: then the rest is the slow path's).
+            if cycle.loop is None:  # (the cycle fires the token only through its loop)
+                cycle.finished()
+                unbind(reset)
+                return None
+            return _rest(cycle, reset, None, None, None)
+        except BaseException as exc:
+            return _rest(cycle, reset, None, None, exc)
+        loop: AsyncioLoop = cycle.attached()  # type: ignore[assignment]
+        loop.yielded(awaitable)
+        return _rest(cycle, reset, awaitable, step, None)
+
+
+async def _rest(
+    cycle: Cycle,
+    reset: contextvars.Token[CancelToken],
+    awaitable: Any,
+    step: Any,
+    error: BaseException | None,
+) -> None:
+    """The rest of a request whose first step yielded (or ended unusually)."""
+    token = cycle.token
+    try:
+        if error is not None:
+            raise error
+        if awaitable is not None:
+            await _resume(awaitable, step)
+    except asyncio.CancelledError:
+        loop: AsyncioLoop | None = cycle.loop  # type: ignore[assignment]
+        if loop is not None and loop.cancel_issued:
+            if _HAS_UNCANCEL and loop.task.uncancel():  # type: ignore[attr-defined,unused-ignore]
+                raise  # ours, and someone else's too
+        elif not token.cancelled:
+            raise  # not ours: server shutdown or an outer timeout
+        elif _HAS_UNCANCEL and _current_task().cancelling():  # type: ignore[union-attr,unused-ignore]
+            raise
+        # Otherwise the app raised it itself once the client had gone (raise_if_cancelled()
+        # in a worker thread during the grace period or a shield): absorbed like ours.
+    except BaseException:
+        loop = cycle.loop  # type: ignore[assignment]
+        if loop is not None and loop.cancel_issued and _HAS_UNCANCEL:
+            loop.task.uncancel()  # type: ignore[attr-defined,unused-ignore]  # became an error
+        raise
+    else:
+        loop = cycle.loop  # type: ignore[assignment]
+        if loop is not None and loop.cancel_issued and _HAS_UNCANCEL:
+            loop.task.uncancel()  # type: ignore[attr-defined,unused-ignore]  # app swallowed it
+    finally:
+        scope, send = cycle.scope, cycle.real_send
+        cycle.finished()
+        loop = cycle.loop  # type: ignore[assignment]
+        try:
+            if loop is not None and not loop.close():
+                await loop.finish()
+        finally:
+            unbind(reset)
+            if loop is not None:
+                # cycle <-> loop: broken here so that reference counting frees them.
+                cycle.loop = loop.task = None  # type: ignore[assignment]
+    if cycle.first_sent is None and token.cancelled:
+        await send_cancelled_response(scope, send)
+
+
+@types.coroutine
+def _resume(awaitable: Any, step: Any) -> Generator[Any, Any, None]:
+    """Go on with an app whose first step was taken by hand and yielded `step`.
+
+    asyncio resumes a task with `send(None)` or `throw(exc)`; once resumed with None, the rest
+    is a plain `yield from`, so the await chain (which `protected()` reads) is intact.
+    """
+    while True:
+        try:
+            sent = yield step
+        except GeneratorExit:
+            awaitable.close()
+            raise
+        except BaseException as exc:
+            try:
+                step = awaitable.throw(exc)
+            except StopIteration:
+                return
+            continue
+        if sent is None:
+            yield from awaitable
+            return
+        try:  # pragma: no cover - asyncio's tasks always send None
+            step = awaitable.send(sent)
+        except StopIteration:  # pragma: no cover
+            return
+
+
+class AsyncioLoop:
+    """One request's asyncio side: its task, parked callers, watcher, timers, spawned tasks."""
+
+    # Class-level defaults: set when they change (most requests only arm a timer).
+    app_awaitable: Any = None
+    cancel_issued = False
+    lot: list[asyncio.Future[None]] | None = None
+    watcher: asyncio.Task[None] | None = None
+    watch_timer: asyncio.TimerHandle | None = None
+    grace_timer: asyncio.TimerHandle | None = None
+    spawned: set[asyncio.Task[object]] | frozenset[asyncio.Task[object]] | None = None
+
+    def __init__(self, cycle: Cycle) -> None:
+        self.cycle = cycle
+        self.task: asyncio.Task[Any] = _current_task()  # type: ignore[assignment]
+
+    def yielded(self, app_awaitable: Any) -> None:
+        """The app's first step yielded: watch, now or after `watch_delay`."""
+        self.app_awaitable = app_awaitable
+        delay = self.cycle.options.watch_delay
+        # An empty context: the watcher must not carry one request's context variables (a
+        # request id in a log line) into code that runs for it. Shared: callbacks never nest.
+        if delay:
+            self.watch_timer = self.task.get_loop().call_later(
+                delay, self.start_watching, context=_NO_CONTEXT
+            )
+        else:
+            _NO_CONTEXT.run(self.start_watching)
+
+    def start_watching(self) -> None:
+        self.watch_timer = None
+        cycle = self.cycle
+        if cycle.disconnect is None and self.watcher is None:
+            self.watcher = self.task.get_loop().create_task(cycle.watch())
+
+    # -- Loop ------------------------------------------------------------------------------------
+    async def park(self) -> None:
+        future = self.task.get_loop().create_future()
+        if self.lot is None:
+            self.lot = []
+        self.lot.append(future)
+        try:
+            await future
+        finally:
+            if not future.done() and self.lot is not None:
+                self.lot.remove(future)
+
+    def wake(self) -> None:
+        lot = self.lot
+        if lot:
+            self.lot = None
+            for future in lot:
+                if not future.done():
+                    future.set_result(None)
+
+    async def checkpoint(self) -> None:
+        await asyncio.sleep(0)
+
+    def cancel_app(self) -> None:
+        if self.cycle.state is _FINISHED or self.cancel_issued:
+            return
+        task = self.task
+        loop = task.get_loop()
+        if _HAS_UNCANCEL and task.cancelling():  # type: ignore[attr-defined,unused-ignore]
+            # Someone else is cancelling the app (server shutdown, an anyio scope, the app's
+            # own task group): a second cancel would cut the cleanup it runs short. Look again
+            # after `grace`, in case the app caught that cancellation and went on working.
+            self.grace_timer = loop.call_later(self.cycle.options.grace, self.cancel_app)
+            return
+        if protected(task, self.app_awaitable):
+            # The app waits for a worker thread (a threadpool endpoint, sync_to_async) or is
+            # in an anyio shielded scope (a framework's cleanup): a cancel now would unwind
+            # the request (dependency teardown, exit stacks) while the thread still uses its
+            # resources, or cut that cleanup short. The token has fired, so code that checks
+            # it stops; look again each time the app's current wait ends, so that the
+            # cancellation lands at its first await outside them.
+            waiter: asyncio.Future[Any] | None = getattr(task, "_fut_waiter", None)
+            if waiter is None:
+                loop.call_soon(self.cancel_app)
+            else:
+                waiter.add_done_callback(self._wait_ended)
+            return
+        self.cancel_issued = True
+        task.cancel()  # once: edge-triggered, so the app's cleanup can await freely
+
+    def _wait_ended(self, future: asyncio.Future[Any]) -> None:
+        # Runs after the app task's own wake-up: the app has resumed and reached its next
+        # await (or finished) by now.
+        self.cancel_app()
+
+    def cancel_app_soon(self) -> None:
+        # From inside the app (a shield() exit): if the app then returns without awaiting, a
+        # cancel issued now would land in the server's code instead. One hop lets FINISHED win.
+        if self.cycle.state is not _FINISHED:
+            self.task.get_loop().call_soon(self.cancel_app)
+
+    def start_grace(self) -> None:
+        self.grace_timer = self.task.get_loop().call_later(
+            self.cycle.options.grace, self._grace_over, _GRACE_HOPS
+        )
+
+    def _grace_over(self, hops: int) -> None:
+        # A few more loop iterations before deciding: on a loop that was busier than `grace`
+        # (a GC pause, a burst of engine outputs), the app's own reaction may still be queued:
+        # vLLM's with_cancellation needs three steps (listener ends, asyncio.wait completes,
+        # the wrapper resumes) before it cancels its inner handler task. Cancelling the
+        # wrapper earlier would orphan that task.
+        self.grace_timer = None
+        cycle = self.cycle
+        if cycle.state is _FINISHED:
+            return
+        if hops:
+            self.task.get_loop().call_soon(self._grace_over, hops - 1)
+        elif reacting(self.task, cycle.token):
+            # The app reacted by cancelling its own work (Django, Quart, Starlette's stream
+            # listener): that cleanup is the app's, however long it takes. No second cancel.
+            logger.debug("asgi_cancel: the app handles the disconnect itself")
+        else:
+            cycle.token.cancel_app()  # it listened and ignored the disconnect
+
+    def spawn(self, awaitable: Awaitable[object], /) -> None:
+        async def run() -> object:
+            return await awaitable
+
+        spawned = self.spawned
+        if self.cycle.state is _FINISHED and not isinstance(spawned, set):
+            # The request is over (or finishing without a finish() to wait for it).
+            run_detached(awaitable)
+            return
+        if spawned is None or not isinstance(spawned, set):
+            spawned = self.spawned = set()
+        spawned.add(self.task.get_loop().create_task(run()))
+
+    def close(self) -> bool:
+        """Cancel the timers; return whether that was all (no task to wait for)."""
+        if self.watch_timer is not None:
+            self.watch_timer.cancel()
+            self.watch_timer = None
+        if self.grace_timer is not None:
+            self.grace_timer.cancel()
+            self.grace_timer = None
+        self.app_awaitable = None
+        return self.watcher is None and not self.spawned
+
+    async def finish(self) -> None:
+        """Stop watching and wait for callback tasks, even through a server shutdown."""
+        interrupted = False
+        watcher = self.watcher
+        if watcher is not None:
+            # Dropped first: the cancelled task's traceback holds watch()'s frame, which
+            # holds the cycle, so keeping it would leave a reference cycle for the GC.
+            self.watcher = None
+            watcher.cancel()
+            interrupted = await _wait_out([watcher])
+        spawned = self.spawned
+        while isinstance(spawned, set) and spawned:
+            # Callbacks' tasks (engine aborts) must finish: the app's cleanup may rely on them.
+            tasks = list(spawned)
+            interrupted = await _wait_out(tasks) or interrupted
+            spawned.difference_update(tasks)
+            for task in tasks:
+                if not task.cancelled() and task.exception() is not None:
+                    logger.error("asgi_cancel: on_cancel task failed", exc_info=task.exception())
+        self.spawned = _CLOSED
+        if interrupted:
+            raise asyncio.CancelledError
+
+
+async def _wait_out(tasks: list[asyncio.Task[Any]]) -> bool:
+    """Wait until `tasks` are done; return whether we were cancelled meanwhile.
+
+    Cancelled from outside (server shutdown, an anyio scope that cancels again on every loop
+    iteration), cancel the tasks and still wait for them to end, so that none outlives the
+    request. Done-ness is re-checked after every wake-up, so a level-triggered cancellation
+    cannot keep us waiting on tasks that already ended.
+    """
+    interrupted = False
+    pending = [task for task in tasks if not task.done()]
+    while pending:
+        waiter: asyncio.Future[None] = pending[0].get_loop().create_future()
+
+        def wake(_: object, waiter: asyncio.Future[None] = waiter) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        for task in pending:
+            task.add_done_callback(wake)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            interrupted = True
+            for task in pending:
+                task.cancel()
+        finally:
+            for task in pending:
+                task.remove_done_callback(wake)
+        pending = [task for task in pending if not task.done()]
+    return interrupted
