@@ -22,7 +22,7 @@ import tracemalloc
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, cast
 
-from asgi_cancel._types import ASGIApp, Message
+from asgi_cancel.types import ASGIApp, Message
 
 from ._util import median, rss_bytes
 from .alternatives import build

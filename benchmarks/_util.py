@@ -20,7 +20,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PY312 = Path(os.environ.get("BENCH_PY312", ROOT / ".venv-bench312" / "bin" / "python"))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The modules a request runs through (asyncio); their hash identifies the code measured.
-CORE = ("__init__.py", "_cycle.py", "_middleware.py", "_token.py", "_types.py")
+CORE = (
+    "__init__.py",
+    "_asyncio.py",
+    "_asyncio_task.py",
+    "_cycle.py",
+    "_middleware.py",
+    "_token.py",
+    "types.py",
+)
 
 
 def median(values: Iterable[float]) -> float:

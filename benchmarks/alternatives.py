@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 
 from asgi_cancel import CancelOnDisconnectMiddleware
-from asgi_cancel._types import ASGIApp, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
 from .engine import Engine
 

@@ -1,0 +1,262 @@
+"""Instructions per request inside a real uvicorn process (httptools, uvloop), by callgrind.
+
+`python -m benchmarks.instructions` measures this: for each row (an app that never awaits,
+an app that awaits `asyncio.sleep(0.001)` before answering) it starts uvicorn under
+`valgrind --tool=callgrind --dump-before=getppid` once bare and once wrapped in
+`CancelOnDisconnectMiddleware`, sends warm-up requests over one keep-alive connection from
+this (uncounted) process, then `GET /__mark`, `requests` requests, `GET /__mark`. The server
+calls `os.getppid()` for each mark, so callgrind's part 2 holds exactly those requests (plus
+one mark's worth, the same for both columns). Counts do not depend on the machine's load,
+which is what makes them comparable across commits on a shared machine.
+
+Child side: `python -m benchmarks.instructions serve ROW WRAP PORT`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ._util import ROOT, emit, free_port, table
+
+ROWS = {
+    "hello": "hello world, never awaits",
+    "sleep": "awaits asyncio.sleep(0.001), then answers",
+}
+WRAPS = ("bare", "asgi-cancel")
+REQUESTS = 2000
+WARM_UP = 300
+
+_START = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", b"text/plain"), (b"content-length", b"5")],
+}
+_BODY = {"type": "http.response.body", "body": b"hello"}
+
+
+# -- server side (under valgrind) -------------------------------------------------------------
+def build_app(row: str, wrap: str, watch_delay: float | None = None) -> Any:
+    async def hello(scope: Any, receive: Any, send: Any) -> None:
+        await send(dict(_START))
+        await send(dict(_BODY))
+
+    async def sleep(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(0.001)
+        await send(dict(_START))
+        await send(dict(_BODY))
+
+    app: Any = hello if row == "hello" else sleep
+    if wrap == "asgi-cancel":
+        from asgi_cancel import CancelOnDisconnectMiddleware
+
+        if watch_delay is None:
+            app = CancelOnDisconnectMiddleware(app)
+        else:
+            app = CancelOnDisconnectMiddleware(app, watch_delay=watch_delay)
+    return app
+
+
+def serve(row: str, wrap: str, port: int, watch_delay: float | None = None) -> None:
+    import uvicorn
+
+    app = build_app(row, wrap, watch_delay)
+    server: Any = None
+
+    async def front(scope: Any, receive: Any, send: Any) -> None:
+        # The same dispatch for both columns: its cost cancels out of the difference.
+        path = scope["path"]
+        if path == "/__mark":
+            os.getppid()  # callgrind --dump-before=getppid closes a part here
+        elif path == "/__exit":
+            server.should_exit = True
+        else:
+            await app(scope, receive, send)
+            return
+        await send(dict(_START))
+        await send(dict(_BODY))
+
+    config = uvicorn.Config(
+        front,
+        host="127.0.0.1",
+        port=port,
+        http="httptools",
+        loop="uvloop",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    server.run()
+
+
+# -- client side (this process, not counted) --------------------------------------------------
+def _request(sock: socket.socket, path: str) -> None:
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        body += chunk
+
+
+def _connect(port: int, deadline: float) -> socket.socket:
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=120)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def measure(
+    row: str,
+    wrap: str,
+    requests: int,
+    folder: Path,
+    watch_delay: float | None = None,
+    python: str = sys.executable,
+) -> tuple[subprocess.Popen[bytes], Path, int]:
+    port = free_port()
+    out = folder / f"{row}-{wrap}.out"
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        "--dump-before=getppid",
+        f"--callgrind-out-file={out}",
+        python,
+        *("-m", "benchmarks.instructions", "serve", row, wrap, str(port)),
+        *(() if watch_delay is None else (str(watch_delay),)),
+    ]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    return process, out, port
+
+
+def drive(port: int, requests: int) -> None:
+    with _connect(port, time.monotonic() + 300) as sock:
+        for _ in range(WARM_UP):
+            _request(sock, "/")
+        _request(sock, "/__mark")
+        for _ in range(requests):
+            _request(sock, "/")
+        _request(sock, "/__mark")
+        _request(sock, "/__exit")
+
+
+def _totals(path: Path) -> int:
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {path}")
+
+
+def run(
+    requests: int = REQUESTS,
+    rows: tuple[str, ...] = tuple(ROWS),
+    keep: Path | None = None,
+    watch_delay: float | None = None,
+) -> dict[str, dict[str, float]]:
+    """Instructions per request for every row, bare and wrapped; the two columns of a row run
+    in parallel (callgrind counts do not depend on load). `keep`: a folder for the callgrind
+    files (`callgrind_annotate ROW-WRAP.out.2` shows where the instructions go)."""
+    import threading
+
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="asgi-cancel-uvicorn-instr-") as name:
+        folder = Path(name) if keep is None else keep
+        folder.mkdir(parents=True, exist_ok=True)
+        for row in rows:
+            started = [measure(row, wrap, requests, folder, watch_delay) for wrap in WRAPS]
+            errors: list[BaseException] = []
+
+            def client(port: int, errors: list[BaseException] = errors) -> None:
+                try:
+                    drive(port, requests)
+                except BaseException as exc:  # reported below, with the server's stderr
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=client, args=(port,)) for _p, _o, port in started]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            row_result: dict[str, float] = {}
+            for wrap, (process, out, _port) in zip(WRAPS, started, strict=True):
+                _stdout, stderr = process.communicate(timeout=600)
+                if errors or process.returncode != 0:
+                    raise RuntimeError(
+                        f"callgrind {row}/{wrap} failed ({errors}):\n{stderr.decode()[-2000:]}"
+                    )
+                row_result[wrap] = _totals(Path(f"{out}.2")) / requests
+            results[row] = row_result
+    return results
+
+
+def render(results: dict[str, dict[str, float]]) -> str:
+    rows = []
+    for row, counts in results.items():
+        bare, wrapped = counts["bare"], counts["asgi-cancel"]
+        rows.append(
+            [
+                ROWS[row],
+                f"{bare / 1e3:,.1f} k",
+                f"{wrapped / 1e3:,.1f} k",
+                f"+{(wrapped - bare) / 1e3:,.1f} k",
+                f"x{wrapped / bare:.3f}",
+            ]
+        )
+    return table(
+        [
+            "uvicorn (httptools, uvloop), instructions/request",
+            "bare",
+            "asgi-cancel",
+            "added",
+            "ratio",
+        ],
+        rows,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "serve":
+        serve(args[1], args[2], int(args[3]), float(args[4]) if len(args) > 4 else None)
+        return
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
+    parser.add_argument("--requests", type=int, default=REQUESTS)
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    parser.add_argument("--keep", type=Path, default=None)
+    parser.add_argument(
+        "--watch-delay", type=float, default=None, help="the middleware's option (its default)"
+    )
+    parsed = parser.parse_args(args)
+    emit(render(run(parsed.requests, tuple(parsed.rows), parsed.keep, parsed.watch_delay)))
+
+
+if __name__ == "__main__":
+    main()
