@@ -87,7 +87,7 @@ def bench_table(data: dict[str, Any]) -> str:
                     fmt(without, digits),
                     fmt(with_, digits),
                     fmt(ratio, 3),
-                    "yes" if within else "**no**",
+                    "n/a" if ratio != ratio else ("yes" if within else "**no**"),
                     f"{fmt(min(pairs), 2)}-{fmt(max(pairs), 2)}" if pairs else "n/a",
                     fmt(max(alone) / min(alone), 2) if alone else "n/a",
                     reps,
