@@ -15,7 +15,7 @@ import types
 from collections.abc import Awaitable, Generator
 from typing import Any
 
-from ._asyncio_task import protected, reacting
+from ._asyncio_task import in_anyio_shield, reacting, thread_future
 from ._cycle import Cycle, Options, State, logger, new_cycle, send_cancelled_response
 from ._token import CancelToken, bind, run_detached, unbind
 from .types import AnyASGIApp, Receive, Scope, Send
@@ -73,6 +73,7 @@ async def _rest(
 ) -> None:
     """The rest of a request whose first step yielded (or ended unusually)."""
     token = cycle.token
+    outside = False
     try:
         if error is not None:
             raise error
@@ -83,9 +84,10 @@ async def _rest(
         if loop is not None and loop.cancel_issued:
             if _HAS_UNCANCEL and loop.task.uncancel():  # type: ignore[attr-defined,unused-ignore]
                 raise  # ours, and someone else's too
-        elif not token.cancelled:
-            raise  # not ours: server shutdown or an outer timeout
-        elif _HAS_UNCANCEL and _current_task().cancelling():  # type: ignore[union-attr,unused-ignore]
+        elif not token.cancelled or (
+            _HAS_UNCANCEL and _current_task().cancelling()  # type: ignore[union-attr,unused-ignore]
+        ):
+            outside = True  # not ours: server shutdown or an outer timeout
             raise
         # Otherwise the app raised it itself once the client had gone (raise_if_cancelled()
         # in a worker thread during the grace period or a shield): absorbed like ours.
@@ -104,7 +106,7 @@ async def _rest(
         loop = cycle.loop  # type: ignore[assignment]
         try:
             if loop is not None and not loop.close():
-                await loop.finish()
+                await loop.finish(outside)
         finally:
             unbind(reset)
             if loop is not None:
@@ -209,28 +211,41 @@ class AsyncioLoop:
             # Someone else is cancelling the app (server shutdown, an anyio scope, the app's
             # own task group): a second cancel would cut the cleanup it runs short. Look again
             # after `grace`, in case the app caught that cancellation and went on working.
-            self.grace_timer = loop.call_later(self.cycle.options.grace, self.cancel_app)
+            self.grace_timer = loop.call_later(self.cycle.options.grace, self._look_again)
             return
-        if protected(task, self.app_awaitable):
-            # The app waits for a worker thread (a threadpool endpoint, sync_to_async) or is
-            # in an anyio shielded scope (a framework's cleanup): a cancel now would unwind
-            # the request (dependency teardown, exit stacks) while the thread still uses its
+        if thread_future(task, self.app_awaitable) is not None or in_anyio_shield(task):
+            # The app waits for a worker thread (a threadpool endpoint, sync_to_async) or
+            # runs a framework's cleanup in an anyio shielded scope (FastAPI's dependency
+            # exits): a cancel now would unwind the request while the thread still uses its
             # resources, or cut that cleanup short. The token has fired, so code that checks
-            # it stops; look again each time the app's current wait ends, so that the
-            # cancellation lands at its first await outside them.
-            waiter: asyncio.Future[Any] | None = getattr(task, "_fut_waiter", None)
-            if waiter is None:
-                loop.call_soon(self.cancel_app)
-            else:
-                waiter.add_done_callback(self._wait_ended)
+            # it stops; look again when the app's current wait ends, so that the cancellation
+            # lands at its first await outside them (no polling).
+            self._look_again_after_wait()
             return
         self.cancel_issued = True
         task.cancel()  # once: edge-triggered, so the app's cleanup can await freely
 
-    def _wait_ended(self, future: asyncio.Future[Any]) -> None:
-        # Runs after the app task's own wake-up: the app has resumed and reached its next
-        # await (or finished) by now.
-        self.cancel_app()
+    def _look_again_after_wait(self) -> None:
+        # Done callbacks run in the order they were added: this one after the app task's own
+        # wake-up, so the app has resumed and reached its next await (or ended) when it runs.
+        waiter: asyncio.Future[Any] | None = getattr(self.task, "_fut_waiter", None)
+        if waiter is None:
+            self.task.get_loop().call_soon(self._look_again)
+        else:
+            waiter.add_done_callback(self._look_again)
+
+    def _look_again(self, _: object = None) -> None:
+        # Through the token, so that a shield() entered meanwhile is honoured.
+        if self.cycle.state is not _FINISHED and not self.cancel_issued:
+            self.cycle.token.cancel_app()
+
+    async def cancel_body_reader(self) -> None:
+        """The app reads its body after the client left mid-body: cancel it here, unless its
+        cancellation must wait (a shield): then it meets `http.disconnect`, as ASGI says."""
+        if self.task is _current_task() and not self.cancel_issued:
+            self.cycle.token.cancel_app()
+            if self.cancel_issued:
+                await asyncio.sleep(0)  # the cancellation lands here
 
     def cancel_app_soon(self) -> None:
         # From inside the app (a shield() exit): if the app then returns without awaiting, a
@@ -286,8 +301,14 @@ class AsyncioLoop:
         self.app_awaitable = None
         return self.watcher is None and not self.spawned
 
-    async def finish(self) -> None:
-        """Stop watching and wait for callback tasks, even through a server shutdown."""
+    async def finish(self, outside: bool) -> None:
+        """Stop watching and wait for callback tasks, even through a server shutdown.
+
+        Under an outside cancellation the watcher, parked in the server's `receive()`, is
+        cancelled and not waited for: it ends on its next step, and the cancellation is
+        re-raised at once (uvicorn stops its loop a few iterations after cancelling the
+        requests at shutdown; waiting for the watcher hid the request's end from everything
+        outside the middleware)."""
         interrupted = False
         watcher = self.watcher
         if watcher is not None:
@@ -295,7 +316,8 @@ class AsyncioLoop:
             # holds the cycle, so keeping it would leave a reference cycle for the GC.
             self.watcher = None
             watcher.cancel()
-            interrupted = await _wait_out([watcher])
+            if not outside:
+                interrupted = await _wait_out([watcher])
         spawned = self.spawned
         while isinstance(spawned, set) and spawned:
             # Callbacks' tasks (engine aborts) must finish: the app's cleanup may rely on them.

@@ -11,39 +11,49 @@ from typing import Any
 from ._token import token_in
 
 _HAS_UNCANCEL = sys.version_info >= (3, 11)
-_to_thread_code = asyncio.to_thread.__code__
 
 
-def protected(task: asyncio.Task[Any], app_awaitable: Any) -> bool:
-    """Whether `task` waits for a worker thread or runs in an anyio shielded scope.
+def thread_future(task: asyncio.Task[Any], app_awaitable: Any) -> Any:
+    """The future `task` waits on while a worker thread runs for it, or None.
 
-    Recognised threads: futures chained to a `concurrent.futures.Future`
-    (`loop.run_in_executor`, `asyncio.to_thread`, Litestar's `sync_to_thread`) and the await
-    chains of anyio's worker threads (Starlette's `run_in_threadpool`, FastAPI `def`
-    endpoints and dependencies, `anyio.to_thread.run_sync`) and of asgiref's
-    `sync_to_async`, from the call to the thread's return. Runs only after a disconnect.
+    Recognised: futures chained to a `concurrent.futures.Future` (`loop.run_in_executor`,
+    `asyncio.to_thread`, Litestar's `sync_to_thread`), anyio's worker threads (Starlette's
+    `run_in_threadpool`, FastAPI `def` endpoints and dependencies, `anyio.to_thread`) and
+    asgiref's `sync_to_async`. A call still queued for a thread, or at its first checkpoint,
+    is not running in one. Runs only after a disconnect.
     """
     # `_fut_waiter` is the future a task is suspended on, in both Task implementations
     # since Python 3.4 (anyio's cancel scopes read it too).
     waiter = getattr(task, "_fut_waiter", None)
+    if waiter is None or waiter.done():
+        return None
     for callback, *_ in getattr(waiter, "_callbacks", None) or ():
         if getattr(callback, "__qualname__", "") == "_chain_future.<locals>._call_check_cancel":
-            return True
-    codes = _thread_codes()
+            return waiter
+    anyio_code, asgiref_code = _dispatch_codes()
     # From the app's own coroutine: the driver takes its first step by hand, so the chain from
     # the task's coroutine passes through a generator that does not expose it until resumed.
     awaitable: Any = app_awaitable if app_awaitable is not None else task.get_coro()
     while awaitable is not None:
-        code = getattr(awaitable, "cr_code", None) or getattr(awaitable, "gi_code", None)
-        if code is not None and code in codes:
-            return True
+        code = getattr(awaitable, "cr_code", None)
+        if code is not None and code is anyio_code:
+            local = awaitable.cr_frame.f_locals
+            if local.get("future") is waiter:
+                return waiter, local.get("scope")
+            return None
+        if code is not None and code is asgiref_code:
+            running = awaitable.cr_frame.f_locals.get("exec_coro")
+            return waiter if running is not None and not running.done() else None
         awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
-    return _in_anyio_shield(task)
+    return None
 
 
-def _in_anyio_shield(task: asyncio.Task[Any]) -> bool:
-    # A native Task.cancel() goes through anyio's shields (FastAPI closes `yield`
-    # dependencies in one): respect them as anyio's own cancellation would.
+def in_anyio_shield(task: asyncio.Task[Any]) -> bool:
+    """Whether `task` runs in an anyio shielded scope.
+
+    A native Task.cancel() goes through anyio's shields (FastAPI closes `yield` dependencies
+    in one): they are respected as anyio's own cancellation would.
+    """
     anyio_asyncio = sys.modules.get("anyio._backends._asyncio")
     try:
         state = anyio_asyncio._task_states.get(task)  # type: ignore[union-attr]
@@ -57,20 +67,19 @@ def _in_anyio_shield(task: asyncio.Task[Any]) -> bool:
     return False
 
 
-def _thread_codes() -> set[object]:
+def _dispatch_codes() -> tuple[object, object]:
     # Only modules the app already imported: a disconnect never imports anything.
-    codes: set[object] = {_to_thread_code}
+    anyio_code = asgiref_code = None
     anyio_asyncio = sys.modules.get("anyio._backends._asyncio")
     if anyio_asyncio is not None:
         backend = getattr(anyio_asyncio, "AsyncIOBackend", None)
         method = getattr(backend, "run_sync_in_worker_thread", None)
-        codes.add(getattr(getattr(method, "__func__", method), "__code__", None))
+        anyio_code = getattr(getattr(method, "__func__", method), "__code__", None)
     asgiref_sync = sys.modules.get("asgiref.sync")
     if asgiref_sync is not None:
         call = vars(getattr(asgiref_sync, "SyncToAsync", object)).get("__call__")
-        codes.add(getattr(call, "__code__", None))
-    codes.discard(None)
-    return codes
+        asgiref_code = getattr(call, "__code__", None)
+    return anyio_code, asgiref_code
 
 
 def reacting(task: asyncio.Task[Any], token: object) -> bool:

@@ -67,6 +67,9 @@ class Loop(Canceller, Protocol):
     def start_grace(self) -> None:
         """Give an app that listens for the disconnect itself `grace` seconds, then decide."""
 
+    async def cancel_body_reader(self) -> None:
+        """The app task reads its body after the client left: let its cancellation land."""
+
 
 class Cycle:
     """The middleware's view of one HTTP request/response cycle.
@@ -134,6 +137,11 @@ class Cycle:
                         self.wake()  # a watcher parked on the read-ahead limit may go on
                     return message
                 if self.disconnect is not None:
+                    if self.state is _CANCELLED and not self.body_complete:
+                        # Mid-body, after a cancellation that had to wait (the app was in a
+                        # worker thread): it lands here rather than as http.disconnect, which
+                        # a framework would turn into an error (Starlette's ClientDisconnect).
+                        await self.attached().cancel_body_reader()
                     return self.disconnect
                 if not self.reading:
                     # Nobody holds the server's receive: read it ourselves, no task needed.

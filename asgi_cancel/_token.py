@@ -168,6 +168,11 @@ class CancelToken:
             self._run_callback(callback, context)
         self._callbacks = None
 
+    @property
+    def shielded(self) -> bool:
+        """Whether the request is inside a `shield()` block (its cancellation would wait)."""
+        return self._shield_depth > 0
+
     def cancel_app(self) -> None:
         """Have the canceller cancel the app now, or when the outermost `shield()` exits."""
         if self._shield_depth:

@@ -92,6 +92,11 @@ class TrioLoop:
         if self.lot:
             self.lot.unpark_all()
 
+    async def cancel_body_reader(self) -> None:
+        # Trio's cancellation is level-triggered: a cancelled app meets it at its next
+        # checkpoint anyway, a worker thread's included.
+        await trio.lowlevel.checkpoint()
+
     async def checkpoint(self) -> None:
         await trio.lowlevel.checkpoint()
 

@@ -148,7 +148,10 @@ async def place_order(
     db.close()
     conn = ClientConnection(b"order")
     injector = Injector(conn, at=at, in_thread=in_thread)
-    app = CancelOnDisconnectMiddleware(order_app(path, injector, driver, shielded=shielded))
+    # watch_delay=0: watched from the first await (the whole order takes under 5 ms).
+    app = CancelOnDisconnectMiddleware(
+        order_app(path, injector, driver, shielded=shielded), watch_delay=0
+    )
     with anyio.fail_after(WATCHDOG):
         await conn.run(app, http_scope("POST"))  # returns normally: own cancellation absorbed
     # aiosqlite's thread may still run a statement whose await was cancelled: let it land.
@@ -188,8 +191,6 @@ async def test_unshielded_record_is_left_half_written(
     """Why `shield` exists: the same endpoint without it leaves half an order behind."""
     if driver == "aiosqlite" and anyio_backend != "asyncio":
         pytest.skip("aiosqlite is asyncio only")
-    if driver == "sqlite3-thread" and anyio_backend == "asyncio":
-        pytest.skip("bug C: back-to-back threads run to the end on asyncio (xfail below)")
     outcomes = []
     for at, in_thread in injections(driver, len(STATEMENTS) + 2):
         outcome, _ = await place_order(tmp_path, driver, shielded=False, at=at, in_thread=in_thread)
@@ -199,7 +200,6 @@ async def test_unshielded_record_is_left_half_written(
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # trio stops at the first return
-@pytest.mark.xfail(strict=True, reason="bug C: back-to-back thread calls are never cancelled")
 async def test_back_to_back_thread_calls_stop_when_the_first_returns(anyio_backend: str) -> None:
     """A loop of thread calls (a sync ORM per statement): the cancellation lands after one."""
     done: list[int] = []
@@ -217,4 +217,4 @@ async def test_back_to_back_thread_calls_stop_when_the_first_returns(anyio_backe
             group.start_soon(conn.run, CancelOnDisconnectMiddleware(app), http_scope("POST"))
             await anyio.sleep(0.02)
             conn.disconnect()  # during the first thread
-    assert done == [0]  # today: [0, 1, 2, 3]
+    assert done == [0]  # the second call is cancelled before its thread starts
