@@ -3,6 +3,7 @@
 from ._middleware import CancelOnDisconnectMiddleware as CancelOnDisconnectMiddleware
 from ._token import CancelToken as CancelToken
 from ._token import current_token as current_token
+from ._token import detach as detach
 from ._token import shield as shield
 
 __version__ = "0.1.0"
@@ -11,5 +12,6 @@ __all__ = (
     "CancelOnDisconnectMiddleware",
     "CancelToken",
     "current_token",
+    "detach",
     "shield",
 )

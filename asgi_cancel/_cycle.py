@@ -6,7 +6,6 @@ No event-loop code here: parking, cancelling the app and timers are the `Loop` a
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 from collections import deque
@@ -14,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from time import monotonic
 from typing import Protocol
 
+from ._report import report_cancelled
 from ._token import Canceller, CancelToken
 from .types import Message, OnCancelled, Receive, Scope, Send
 
@@ -298,25 +298,14 @@ class Cycle:
     def _fire(self, loop: Loop) -> None:
         elapsed = monotonic() - self.started_at
         self.token.fire(REASON, loop)
-        scope = self.scope
-        logger.info(
-            "%s %s cancelled: %s after %.3fs (499)",
-            scope.get("method", "?"),
-            scope.get("path", "?"),
+        report_cancelled(
+            self.scope,
+            self.token,
             REASON,
             elapsed,
+            self.response_started,
+            self.options.on_cancelled,
         )
-        on_cancelled = self.options.on_cancelled
-        if on_cancelled is not None:
-            try:
-                on_cancelled(
-                    scope,
-                    reason=REASON,
-                    elapsed=elapsed,
-                    response_started=self.response_started,
-                )
-            except (Exception, asyncio.CancelledError):
-                logger.exception("asgi_cancel: on_cancelled hook raised")
 
 
 REQUEST_OVER: Message = {"type": "http.disconnect"}

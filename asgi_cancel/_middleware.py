@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._asyncio import AsyncioDriver
@@ -34,6 +35,27 @@ def _seconds(name: str, value: object) -> float:
     return float(value)
 
 
+def _excluder(
+    exclude: Sequence[str] | Callable[[Scope], bool] | None,
+) -> Callable[[Scope], bool] | None:
+    if exclude is None or callable(exclude):
+        return exclude
+    if isinstance(exclude, str):
+        exclude = (exclude,)
+    prefixes = tuple(exclude) if isinstance(exclude, Sequence) else ()
+    if not prefixes or not all(isinstance(p, str) and p.startswith("/") for p in prefixes):
+        raise ValueError(
+            "exclude must be path prefixes starting with '/', a predicate on the scope or "
+            f"None, got {_describe(exclude)}"
+        )
+
+    def excluded(scope: Scope) -> bool:
+        path: str = scope.get("path", "")
+        return path.startswith(prefixes)
+
+    return excluded
+
+
 class CancelOnDisconnectMiddleware:
     """Cancel an ASGI app's work for a request the moment its HTTP client disconnects.
 
@@ -55,11 +77,18 @@ class CancelOnDisconnectMiddleware:
             Default 0.1.
         on_cancelled: called once per cancelled request, in the event loop, as
             `on_cancelled(scope, reason=..., elapsed=..., response_started=...)`; `elapsed` is
-            seconds from the request's first wait to the disconnect. For metrics exporters.
+            seconds from the request's first wait to the disconnect. For metrics exporters
+            (`asgi_cancel.prometheus.CancelMetrics` is one). If it returns a callable, that is
+            called with no arguments once the request is over (its app returned, cleanup
+            done): how the time from the disconnect to the end of the cleanup is measured.
         watch_delay: on asyncio, seconds a request must have run (after its first wait) before
             the middleware starts watching its connection. A request that ends sooner costs no
             watcher task at all; a disconnect within that time is acted on when it ends.
             0 watches from the first wait. Default 0.005. Trio watches every request at once.
+        exclude: requests never to cancel, passed to the app untouched (one check per
+            request): path prefixes (`("/payments", "/admin/")`, matched against
+            `scope["path"]`) or a predicate `exclude(scope) -> bool`. For one endpoint that
+            must run to the end, `asgi_cancel.detach()` is the alternative. Default None.
 
     Raises:
         TypeError: `app` is not callable.
@@ -74,6 +103,7 @@ class CancelOnDisconnectMiddleware:
         grace: float = DEFAULT_GRACE,
         on_cancelled: OnCancelled | None = None,
         watch_delay: float = DEFAULT_WATCH_DELAY,
+        exclude: Sequence[str] | Callable[[Scope], bool] | None = None,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI callable, got {_describe(app)}")
@@ -90,11 +120,12 @@ class CancelOnDisconnectMiddleware:
         self.grace = _seconds("grace", grace)
         self.on_cancelled = on_cancelled
         self.watch_delay = _seconds("watch_delay", watch_delay)
+        self.exclude = _excluder(exclude)
         self._asyncio = AsyncioDriver(app, self)
         self._trio: TrioDriver | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.exclude is not None and self.exclude(scope)):
             await self.app(scope, receive, send)
         elif _get_running_loop() is not None:
             rest = self._asyncio.start(scope, receive, send)

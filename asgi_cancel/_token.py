@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
-from typing import Protocol
+from contextlib import ContextDecorator, contextmanager
+from time import monotonic
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["CancelToken", "Canceller", "current_token", "shield"]
+__all__ = ["CancelToken", "Canceller", "current_token", "detach", "shield"]
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -56,6 +58,13 @@ class CancelToken:
     _canceller: Canceller | None = None
     _shield_depth: int = 0
     _deferred: bool = False
+    #: The request's id (from its `X-Request-Id` header or generated), when the middleware was
+    #: given a `CancelRegistry`; else None. Forwarded to the next hop by `asgi_cancel.httpx`.
+    request_id: str | None = None
+    #: When the request's deadline passes, in `time.monotonic()` seconds, or None without one.
+    deadline: float | None = None
+    _detached: bool = False
+    _finished: list[Callable[[], object]] | None = None
 
     def __repr__(self) -> str:
         state = f"cancelled, reason={self._reason!r}" if self._cancelled else "active"
@@ -132,6 +141,12 @@ class CancelToken:
 
         return unregister
 
+    def remaining(self) -> float | None:
+        """Seconds left before the request's deadline (0 once it passed), or None without one."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - monotonic())
+
     def raise_if_cancelled(self) -> None:
         """Raise `asyncio.CancelledError` if the request was cancelled.
 
@@ -173,8 +188,25 @@ class CancelToken:
         """Whether the request is inside a `shield()` block (its cancellation would wait)."""
         return self._shield_depth > 0
 
+    @property
+    def detached(self) -> bool:
+        """Whether the request was detached from its client (`detach()`): never cancelled."""
+        return self._detached
+
+    def on_finished(self, callback: Callable[[], object]) -> None:
+        """Call `callback()` once, in the event loop, when the request is over (its app
+        returned, after its own cleanup). Exceptions it raises are logged."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {callback!r}")
+        if self._finished is None:
+            self._finished = []
+        self._finished.append(callback)
+
     def cancel_app(self) -> None:
-        """Have the canceller cancel the app now, or when the outermost `shield()` exits."""
+        """Have the canceller cancel the app now, or when the outermost `shield()` exits;
+        never for a request that was detached (`detach()`)."""
+        if self._detached:
+            return
         if self._shield_depth:
             self._deferred = True
         elif self._canceller is not None:
@@ -188,6 +220,14 @@ class CancelToken:
         """
         self._callbacks = None
         self._canceller = None
+        finished = self._finished
+        if finished is not None:  # only requests with an on_finished() (cancelled ones)
+            self._finished = None
+            for callback in finished:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("asgi_cancel: on_finished callback %r raised", callback)
 
     def _run_callback(
         self, callback: Callable[[], object], context: contextvars.Context | None
@@ -280,5 +320,42 @@ def shield() -> Iterator[CancelToken | None]:
         token._shield_depth -= 1
         if not token._shield_depth and token._deferred:
             token._deferred = False
-            if token._canceller is not None:
+            if token._canceller is not None and not token._detached:
                 token._canceller.cancel_app_soon()
+
+
+class detach(ContextDecorator):  # lower case: used like shield(), a function-like helper
+    """Detach the request from its client: if the client leaves, nothing is cancelled.
+
+    For endpoints that must run to the end whatever the client does (a payment, a write that
+    is not idempotent). The token still reports the disconnect (`cancelled` becomes True,
+    `on_cancel` callbacks run, `reason` is set); only the app task's cancellation never comes,
+    for the rest of the request, the block's exit included. Use it as a context manager, or
+    as a decorator on an endpoint (sync or `async def`). Outside a request it does nothing.
+
+    The whole request (or everything but a few routes) can be excluded at the front door
+    instead, with the middleware's `exclude` option.
+    """
+
+    def __enter__(self) -> CancelToken | None:
+        token = _current.get(None)
+        if token is not None:
+            token._detached = True
+        return token
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def __call__(self, func: _F) -> _F:
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def detached(*args: Any, **kwargs: Any) -> Any:
+                with self:
+                    return await func(*args, **kwargs)
+
+            return detached  # type: ignore[return-value]
+        return super().__call__(func)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])

@@ -22,11 +22,12 @@ def test_all_lists_exactly_the_public_names() -> None:
         "CancelOnDisconnectMiddleware",
         "CancelToken",
         "current_token",
+        "detach",
         "shield",
     )
     public = {name for name in dir(asgi_cancel) if not name.startswith("_")}
     # submodules appear as attributes once imported elsewhere in the test session
-    assert public - {"testing", "types", "vllm"} == set(asgi_cancel.__all__)
+    assert public - {"otel", "prometheus", "testing", "types", "vllm"} == set(asgi_cancel.__all__)
     assert isinstance(asgi_cancel.__version__, str)
 
 

@@ -535,7 +535,19 @@ async def test_cancelled_request_logged_and_hook_called_once(
     messages = [r.getMessage() for r in caplog.records if r.name == "asgi_cancel"]
     assert len(messages) == 1
     assert messages[0].startswith("POST /v1/completions cancelled: client disconnected after ")
-    assert messages[0].endswith("s (499)")
+    assert messages[0].endswith("s, mid-stream (499)")
+    fields = caplog.records[-1].asgi_cancel
+    assert fields == {
+        "method": "POST",
+        "path": "/v1/completions",
+        "route": "unmatched",  # no router in this app
+        "reason": "client disconnected",
+        "elapsed": fields["elapsed"],
+        "response_started": True,
+        "phase": "mid_stream",
+        "request_id": None,
+    }
+    assert 0 < fields["elapsed"] < 5
 
 
 async def test_normal_request_not_logged_and_hook_not_called(
