@@ -5,8 +5,8 @@ Each variant builds the same FastAPI app for a scenario:
 - `hello`: `GET /` returns `{"hello": "world"}` (overhead).
 - `slow`: `GET /slow?id=N` holds for `hold` seconds; records when its work is cancelled (latency,
   memory).
-- `engine`: `GET /generate?id=N&tokens=T` runs a request on the simulated `Engine` and returns
-  the token count (wasted work); `/stats` and `/reset` serve the harness.
+- `engine`: `GET /generate?id=N&tokens=T` runs a request on example_app's simulated engine
+  and returns the token count (wasted work); `/stats` and `/reset` serve the harness.
 
 The variants:
 
@@ -39,7 +39,8 @@ import asyncio
 import functools
 import importlib
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,8 +49,7 @@ from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoin
 
 from asgi_cancel import CancelOnDisconnectMiddleware
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
-
-from .engine import Engine
+from example_app.sim_engine import SimParams, SimulatedEngine
 
 Recorder = Callable[[int, str], None]
 Handler = Callable[..., Coroutine[Any, Any, Any]]
@@ -191,7 +191,7 @@ def build(
     *,
     hold: float = 3.0,
     record: Recorder = _noop_record,
-    engine: Engine | None = None,
+    engine: SimulatedEngine | None = None,
 ) -> ASGIApp:
     spec = VARIANTS[variant]
     if scenario not in spec.scenarios:
@@ -220,7 +220,7 @@ def build(
         path = "/slow"
     else:
         if engine is None:
-            engine = Engine()
+            engine = simulated_engine()
         handler = _generate(streaming, needs_request, engine)
         path = "/generate"
         _engine_admin(app, engine)
@@ -296,12 +296,31 @@ def _slow(streaming: bool, needs_request: bool, hold: float, record: Recorder) -
     return slow
 
 
-def _generate(streaming: bool, needs_request: bool, engine: Engine) -> Handler:
+def simulated_engine(step_time: float = 0.01, max_batch: int = 16) -> SimulatedEngine:
+    """example_app's engine, keeping the per-token times the waste benchmark counts from."""
+    return SimulatedEngine(step_time=step_time, max_batch_size=max_batch, keep_timelines=True)
+
+
+async def _tokens(engine: SimulatedEngine, id: int, tokens: int) -> AsyncIterator[int]:
+    """Token numbers 0..tokens-1 of request `id` as the engine produces them."""
+    await engine.start()
+    sent = 0
+    params = SimParams(max_tokens=tokens, seed=id)
+    # Closed with the caller (a streaming body closed early), as vLLM's generator would be.
+    async with aclosing(engine.generate("", params, str(id))) as outputs:
+        async for output in outputs:
+            produced = len(output.outputs[0].token_ids)
+            for token in range(sent, produced):
+                yield token
+            sent = produced
+
+
+def _generate(streaming: bool, needs_request: bool, engine: SimulatedEngine) -> Handler:
     if streaming:
 
         async def generate_streaming(id: int, tokens: int) -> StreamingResponse:
             async def body() -> AsyncIterator[bytes]:
-                async for token in engine.generate(str(id), tokens):
+                async for token in _tokens(engine, id, tokens):
                     yield b"%d\n" % token
 
             return StreamingResponse(body(), media_type="text/plain")
@@ -310,7 +329,7 @@ def _generate(streaming: bool, needs_request: bool, engine: Engine) -> Handler:
 
     async def run(id: int, tokens: int) -> dict[str, int]:
         count = 0
-        async for _token in engine.generate(str(id), tokens):
+        async for _token in _tokens(engine, id, tokens):
             count += 1
         return {"id": id, "tokens": count}
 
@@ -327,9 +346,19 @@ def _generate(streaming: bool, needs_request: bool, engine: Engine) -> Handler:
     return generate
 
 
-def _engine_admin(app: FastAPI, engine: Engine) -> None:
+def _engine_admin(app: FastAPI, engine: SimulatedEngine) -> None:
     async def stats() -> JSONResponse:
-        return JSONResponse(engine.stats())
+        engine_stats = engine.stats()
+        return JSONResponse(
+            {
+                "steps": engine.steps,
+                "unfinished": engine_stats.running + engine_stats.waiting,
+                "requests": [
+                    {"id": request_id, **asdict(timeline)}
+                    for request_id, timeline in engine.timelines.items()
+                ],
+            }
+        )
 
     async def reset() -> dict[str, bool]:
         engine.reset()

@@ -162,15 +162,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
 
-    from .alternatives import build
-    from .engine import Engine
+    from .alternatives import build, simulated_engine
 
     options: dict[str, Any] = {"hold": args.hold}
     record = _recorder(args.events)
     if record is not None:
         options["record"] = record
     if args.scenario == "engine":
-        options["engine"] = Engine(step_time=args.step_time, max_batch=args.max_batch)
+        options["engine"] = simulated_engine(args.step_time, args.max_batch)
     app = build(args.variant, args.scenario, **options)
 
     if args.server == "uvicorn":

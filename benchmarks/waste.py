@@ -1,6 +1,6 @@
 """3. Wasted work under overload: a simulated continuous-batching engine behind uvicorn.
 
-64 clients send `GET /generate` at once to a variant serving the engine from `engine.py`
+64 clients send `GET /generate` at once to a variant serving example_app's simulated engine
 (fixed step time, bounded batch, FIFO queue: overloaded, as most requests wait). Half of them,
 chosen by a seeded RNG, close their connection at a random moment; the others read their whole
 response. Measured per variant, in the same run and with the same seed:

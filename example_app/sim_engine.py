@@ -9,15 +9,20 @@ it. The "text" is made-up words; the timing is the point.
 The API mirrors vLLM's `AsyncLLM`: `generate(prompt, params, request_id)` is an async generator of
 cumulative outputs that aborts the request if its consumer is cancelled or closes it early, and
 `abort()` takes one id or several.
+
+benchmarks/ (the wasted-work benchmark) serves this engine too: with `keep_timelines=True` it keeps
+each request's `Timeline` (when it arrived, started, ended, and every token's time) so that a
+client on the same machine can count the tokens generated after it left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 import zlib
 from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .engine import CompletionOutput, EngineStats, RequestOutput, Sampling
 
@@ -38,6 +43,17 @@ class SimParams:
     seed: int | None = None
 
 
+@dataclass
+class Timeline:
+    """One request's life in `time.monotonic()` seconds, the clock every process here reads."""
+
+    arrived: float
+    started: float | None = None
+    finished: float | None = None
+    aborted: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
 class _Request:
     __slots__ = (
         "client_gone",
@@ -48,6 +64,7 @@ class _Request:
         "request_id",
         "rng",
         "text",
+        "timeline",
         "token_ids",
     )
 
@@ -61,6 +78,7 @@ class _Request:
         self.client_gone = False
         self.latest: RequestOutput | None = None
         self.ready = asyncio.Event()
+        self.timeline = Timeline(time.monotonic())
 
     def publish(self, finish_reason: str | None) -> None:
         output = CompletionOutput(0, self.text, tuple(self.token_ids), finish_reason)
@@ -87,12 +105,19 @@ class SimulatedEngine:
             memory-bound, so its time barely depends on how many slots are busy).
         max_batch_size: requests generating at once; the rest wait in the queue.
         max_model_len: prompt plus completion tokens allowed per request.
+        keep_timelines: keep every request's `Timeline` in `timelines` until `reset()` (for
+            benchmarks; a long-running server would keep them all).
     """
 
     name = "sim"
 
     def __init__(
-        self, *, step_time: float = 0.01, max_batch_size: int = 8, max_model_len: int = 4096
+        self,
+        *,
+        step_time: float = 0.01,
+        max_batch_size: int = 8,
+        max_model_len: int = 4096,
+        keep_timelines: bool = False,
     ) -> None:
         if not step_time > 0:
             raise ValueError(f"step_time must be > 0 seconds, got {step_time!r}")
@@ -107,6 +132,9 @@ class SimulatedEngine:
         self._running: dict[str, _Request] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._keep_timelines = keep_timelines
+        self.timelines: dict[str, Timeline] = {}
+        self.steps = 0
         self._requests = self._finished = self._aborted = self._clients_gone = 0
         self._tokens_generated = self._tokens_wasted = 0
 
@@ -133,6 +161,8 @@ class SimulatedEngine:
         if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = _Request(request_id, prompt, params)
+        if self._keep_timelines:
+            self.timelines[request_id] = request.timeline
         self._waiting[request_id] = request
         self._requests += 1
         self._work.set()
@@ -159,6 +189,7 @@ class SimulatedEngine:
             request = self._waiting.pop(request_id, None) or self._running.pop(request_id, None)
             if request is not None:
                 self._aborted += 1
+                request.timeline.aborted = time.monotonic()
                 request.publish("abort")
 
     def client_gone(self, request_id: str) -> None:
@@ -179,6 +210,13 @@ class SimulatedEngine:
             tokens_generated=self._tokens_generated,
             tokens_wasted=self._tokens_wasted,
         )
+
+    def reset(self) -> None:
+        """Abort every request and start the counters, `steps` and `timelines` from zero."""
+        self._abort_now([*self._waiting, *self._running])
+        self._requests = self._finished = self._aborted = self._clients_gone = 0
+        self._tokens_generated = self._tokens_wasted = self.steps = 0
+        self.timelines.clear()
 
     async def start(self) -> None:
         if self._task is None:
@@ -201,16 +239,20 @@ class SimulatedEngine:
                 next_step = loop.time()
             while self._waiting and len(self._running) < self.max_batch_size:
                 request = self._waiting.pop(next(iter(self._waiting)))
+                request.timeline.started = time.monotonic()
                 self._running[request.request_id] = request
             # The forward pass. A fixed schedule, so a busy event loop does not slow the engine.
             next_step = max(next_step + self.step_time, loop.time())
             await asyncio.sleep(next_step - loop.time())
+            self.steps += 1
+            now = time.monotonic()
             for request in list(self._running.values()):
-                self._generate_token(request)
+                self._generate_token(request, now)
 
-    def _generate_token(self, request: _Request) -> None:
+    def _generate_token(self, request: _Request, now: float) -> None:
         index = request.rng.randrange(len(WORDS))
         request.token_ids.append(index)
+        request.timeline.token_times.append(now)
         request.text += WORDS[index]
         self._tokens_generated += 1
         if request.client_gone:
@@ -227,4 +269,5 @@ class SimulatedEngine:
         if finish_reason is not None:
             del self._running[request.request_id]
             self._finished += 1
+            request.timeline.finished = now
         request.publish(finish_reason)
