@@ -1,0 +1,105 @@
+"""Prometheus metrics of cancelled requests, through the middleware's `on_cancelled` hook.
+
+Needs the `prometheus` extra (`pip install 'asgi-cancel[prometheus]'`, i.e.
+`prometheus_client`). Nothing here runs for a request that is not cancelled.
+
+```python
+from asgi_cancel import CancelOnDisconnectMiddleware
+from asgi_cancel.prometheus import CancelMetrics
+
+app = CancelOnDisconnectMiddleware(app, on_cancelled=CancelMetrics())
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from time import monotonic
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+from ._report import phase, route_template
+from .types import Scope
+
+__all__ = ["DEFAULT_BUCKETS", "CancelMetrics", "route_template"]
+
+# Seconds from the disconnect to the end of the app's cleanup: an engine abort is a few ms, a
+# cleanup that flushes or rolls back can take seconds.
+DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Any other method (a client can send anything) is counted as "other": a bounded label.
+_METHODS = frozenset(
+    ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE")
+)
+LABELS = ("method", "route", "reason", "phase")
+
+
+class CancelMetrics:
+    """An `on_cancelled` hook that counts cancelled requests and times their cleanup.
+
+    Two metrics, each labelled by `method`, `route` (the router's template such as
+    `/v1/items/{item_id}`, never the raw path; `"unmatched"` when no Starlette/FastAPI route
+    matched), `reason` (`"client disconnected"`, ...) and `phase` (`"before_response"` or
+    `"mid_stream"`): every label takes values from a bounded set.
+
+    - `<namespace>_cancelled_requests_total`: a counter, incremented once per cancelled
+      request, at the disconnect.
+    - `<namespace>_cancel_cleanup_seconds`: a histogram of the time from the disconnect to
+      the app having returned (its cleanup done), observed once when the request ends.
+
+    Multiprocess mode (gunicorn or uvicorn `--workers N`) works as for any
+    `prometheus_client` metric: set `PROMETHEUS_MULTIPROC_DIR` before the workers start and
+    serve a `MultiProcessCollector` registry on `/metrics`.
+
+    Args:
+        registry: where the metrics are registered; the default registry unless given.
+            `None` registers them nowhere (as in `prometheus_client`).
+        namespace: the metric names' prefix. Default `"asgi_cancel"`.
+        buckets: the histogram's bucket bounds, in seconds.
+
+    Raises:
+        ValueError: the metrics are already registered in `registry` (one instance per
+            registry and namespace).
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: CollectorRegistry | None = REGISTRY,
+        namespace: str = "asgi_cancel",
+        buckets: Sequence[float] = DEFAULT_BUCKETS,
+    ) -> None:
+        self.cancelled = Counter(
+            "cancelled_requests",
+            "HTTP requests cancelled because their client left (or as the reason says).",
+            LABELS,
+            namespace=namespace,
+            registry=registry,
+        )
+        self.cleanup = Histogram(
+            "cancel_cleanup_seconds",
+            "Seconds from the cancellation to the app having finished its cleanup.",
+            LABELS,
+            namespace=namespace,
+            registry=registry,
+            buckets=tuple(buckets),
+        )
+
+    def __call__(
+        self, scope: Scope, *, reason: str, response_started: bool, **_: Any
+    ) -> Callable[[], None]:
+        method = scope.get("method", "")
+        labels = (
+            method if method in _METHODS else "other",
+            route_template(scope),
+            reason,
+            phase(response_started),
+        )
+        self.cancelled.labels(*labels).inc()
+        cancelled_at = monotonic()
+        histogram = self.cleanup.labels(*labels)
+
+        def finished() -> None:
+            histogram.observe(monotonic() - cancelled_at)
+
+        return finished
