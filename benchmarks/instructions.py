@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._util import ROOT, emit, free_port, table
+from example_app.launch import free_port
+
+from ._util import ROOT, emit, table
 
 ROWS = {
     "hello": "hello world, never awaits",

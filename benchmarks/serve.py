@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ._util import PY312, ROOT, free_port, process_cpu_seconds, process_runtime_ns, wait_port
+from example_app.launch import Subprocess, listening
+
+from ._util import PY312, ROOT, process_cpu_seconds, process_runtime_ns
 
 SERVERS = ("uvicorn", "hypercorn")
 
@@ -36,47 +37,38 @@ class Server:
     python: str
     cpu: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
-    port: int = 0
-    process: subprocess.Popen[bytes] | None = None
     events: Path | None = None
+    process: Subprocess | None = field(default=None, init=False, repr=False)
 
-    def start(self, events: Path | None = None) -> Server:
-        self.port = free_port()
-        self.events = events
-        command = [
-            self.python,
-            "-m",
-            "benchmarks.serve",
-            "--server",
-            self.server,
-            "--variant",
-            self.variant,
-            "--scenario",
-            self.scenario,
-            "--port",
-            str(self.port),
-        ]
+    def command(self, port: int) -> list[str]:
+        command = [self.python, "-m", "benchmarks.serve", "--server", self.server]
+        command += ["--variant", self.variant, "--scenario", self.scenario, "--port", str(port)]
         if self.cpu is not None:
             command += ["--cpu", str(self.cpu)]
-        if events is not None:
-            command += ["--events", str(events)]
+        if self.events is not None:
+            command += ["--events", str(self.events)]
         for key, value in self.options.items():
             command += [f"--{key.replace('_', '-')}", str(value)]
-        self.process = subprocess.Popen(
-            command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        return command
+
+    def start(self, events: Path | None = None) -> Server:
+        """Spawn the server; `ready()` waits for it (many start at once, then all are awaited)."""
+        self.events = events
+        # SIGINT: uvicorn's and hypercorn's graceful shutdown, as a person at the terminal.
+        self.process = Subprocess(
+            self.command, ready=listening, cwd=ROOT, stop_signal=signal.SIGINT, stop_timeout=5.0
         )
+        self.process.spawn()
         return self
 
     def ready(self) -> None:
-        try:
-            wait_port(self.port)
-        except TimeoutError:
-            assert self.process is not None
-            self.process.kill()
-            _out, err = self.process.communicate(timeout=5)
-            raise RuntimeError(
-                f"{self.server}/{self.variant} did not start:\n{err.decode()[-2000:]}"
-            ) from None
+        assert self.process is not None
+        self.process.start()
+
+    @property
+    def port(self) -> int:
+        assert self.process is not None
+        return self.process.port
 
     @property
     def pid(self) -> int:
@@ -90,15 +82,11 @@ class Server:
         return process_runtime_ns(self.pid)
 
     def stop(self) -> str:
-        if self.process is None or self.process.poll() is not None:
+        """Stop the server; return its output."""
+        if self.process is None:
             return ""
-        self.process.send_signal(signal.SIGINT)
-        try:
-            _out, err = self.process.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            _out, err = self.process.communicate(timeout=5)
-        return err.decode(errors="replace")
+        self.process.close()
+        return self.process.log_text()
 
 
 class Servers:

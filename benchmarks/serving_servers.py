@@ -9,7 +9,6 @@ after the other, never two at once.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from ._util import ROOT, free_port
+from example_app.launch import StartupError, Subprocess, answers
+
+from ._util import ROOT
 
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
@@ -76,7 +77,7 @@ class Target:
     variant: str
     log: Path
     port: int = 0
-    process: subprocess.Popen[bytes] | None = None
+    process: Subprocess | None = None
     startup_s: float = 0.0
     extra: list[str] = field(default_factory=list)
 
@@ -141,29 +142,27 @@ class Target:
         return command
 
     def start(self, timeout: float = 300.0) -> Target:
-        self.port = free_port()
-        environment = {**os.environ, **VLLM_ENV} if self.target == "vllm" else dict(os.environ)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        with self.log.open("wb") as output:
-            self.process = subprocess.Popen(
-                self.command(),
-                cwd=ROOT,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                env=environment,
-                start_new_session=True,
-            )
-        deadline = started + timeout
-        while not self.healthy():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{self.name} not healthy in {timeout} s:\n{self.log_tail()}")
-            time.sleep(0.5)
-        self.startup_s = time.monotonic() - started
+        environment = VLLM_ENV if self.target == "vllm" else {}
+        self.process = Subprocess(
+            self._argv,
+            ready=answers("/health"),
+            cwd=ROOT,
+            env=environment,
+            log=self.log,
+            ready_timeout=timeout,
+            poll=0.5,
+            stop_timeout=60.0,
+        )
+        try:
+            self.process.start()
+        except StartupError as exc:
+            raise RuntimeError(f"{self.name} did not start: {exc}") from None
+        self.startup_s = self.process.startup_seconds
         return self
+
+    def _argv(self, port: int) -> list[str]:
+        self.port = port
+        return self.command()
 
     @property
     def pid(self) -> int:
@@ -173,13 +172,6 @@ class Target:
     @property
     def name(self) -> str:
         return f"{self.target}/{self.variant}"
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                return bool(response.status == 200)
-        except (OSError, urllib.error.URLError):
-            return False
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -242,17 +234,8 @@ class Target:
         time.sleep(SETTLE_S)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        if self.process is not None:
+            self.process.stop()
 
 
 class Pair:

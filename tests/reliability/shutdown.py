@@ -26,15 +26,7 @@ from pathlib import Path
 
 from tests.servers.client import HOST, connect, drain
 from tests.servers.events import Event
-from tests.servers.runner import (
-    START_ATTEMPTS,
-    Server,
-    ServerSpec,
-    StartupError,
-    _start,
-    _stop,
-    _wait_ready,
-)
+from tests.servers.runner import Server, ServerSpec, start_server
 
 GRACEFUL = 1  # seconds, both servers' graceful timeout here
 THREAD_SECONDS = 0.3  # a worker thread's work that ends within the graceful timeout
@@ -90,23 +82,6 @@ class ShutdownResult:
         return exits[0] if exits else None
 
 
-def start(spec: ServerSpec, target: str, workdir: Path) -> Server:
-    failures = []
-    for attempt in range(START_ATTEMPTS):
-        server = _start(spec, target, workdir, attempt)
-        try:
-            _wait_ready(server)
-        except StartupError as exc:
-            _stop(server.process)
-            failures.append(str(exc))
-            continue
-        except BaseException:
-            _stop(server.process)
-            raise
-        return server
-    raise StartupError("\n\n".join(failures))
-
-
 def _request(port: int, target: str, *, extra: str = "") -> socket.socket:
     sock = connect(port)
     sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {HOST}\r\n\r\n{extra}".encode())
@@ -136,7 +111,7 @@ def put_in_flight(server: Server, tag: str) -> tuple[dict[str, str], list[socket
 def shutdown_run(
     spec: ServerSpec, middleware: bool, sig: signal.Signals, workdir: Path, tag: str
 ) -> ShutdownResult:
-    server = start(spec, WITH if middleware else WITHOUT, workdir)
+    server = start_server(spec, WITH if middleware else WITHOUT, workdir)
     socks: list[socket.socket] = []
     try:
         ids, socks = put_in_flight(server, tag)
@@ -151,11 +126,11 @@ def shutdown_run(
         try:
             returncode = server.process.wait(0)
         except subprocess.TimeoutExpired:
-            returncode = -999  # hung: _stop below kills it
+            returncode = -999  # hung: server.stop() below kills it
     finally:
         for sock in socks:
             sock.close()
-        _stop(server.process)
+        server.stop()
     log = server.log()
     return ShutdownResult(
         server=spec.name,

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from example_app.launch import StartupError as StartupError
+from example_app.launch import Subprocess
 
 from .client import HOST, get
 from .events import EVENTS_ENV, EventLog
@@ -116,105 +116,65 @@ HTTP1_SERVERS = (
 @dataclass
 class Server:
     spec: ServerSpec
-    port: int
-    process: subprocess.Popen[bytes]
-    log_path: Path
+    harness: Subprocess
     events: EventLog
 
+    @property
+    def port(self) -> int:
+        return self.harness.port
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        assert self.harness.process is not None, "the server was stopped"
+        return self.harness.process
+
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.harness.log_text()
+
+    def stop(self) -> None:
+        """End the server's whole process group (granian forks workers)."""
+        self.harness.stop()
 
     def assert_no_traceback(self) -> None:
         log = self.log()
         assert "Traceback" not in log, f"{self.spec} logged a traceback:\n{log[-4000:]}"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _says_hello(port: int) -> bool:
+    try:
+        # Our app says hello (not some other process that took the port).
+        return get(port, "/hello", timeout=READY_PROBE_TIMEOUT).body == b"hello"
+    except (OSError, ValueError, KeyError):  # not listening yet, or not answering properly
+        return False
+
+
+def start_server(spec: ServerSpec, target: str, workdir: Path) -> Server:
+    """Start `target` under `spec` in `workdir` (its log and event files are there)."""
+    events_path = workdir / "events.jsonl"
+    python_path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    harness = Subprocess(
+        lambda port: spec.argv(target, port),
+        ready=_says_hello,
+        cwd=workdir,  # not the tests folder: nothing there may shadow a server import
+        env={EVENTS_ENV: str(events_path), "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"},
+        log=workdir / "server.log",
+        ready_timeout=START_TIMEOUT,
+        poll=0.1,
+        attempts=START_ATTEMPTS,
+        # Another process on this shared machine may take the free port before the server
+        # binds it, and not every server exits then: try again on a fresh one in either case.
+        retry_not_ready=True,
+        stop_timeout=STOP_TIMEOUT,
+    )
+    harness.start()
+    return Server(spec, harness, EventLog(events_path))
 
 
 @contextmanager
 def running_server(spec: ServerSpec, target: str, workdir: Path) -> Iterator[Server]:
     """Run `target` under `spec` until the block exits; the process group is always ended."""
-    failures = []
-    for attempt in range(START_ATTEMPTS):
-        server = _start(spec, target, workdir, attempt)
-        try:
-            _wait_ready(server)
-        except StartupError as exc:
-            # Another process on this shared machine may take the free port before the server
-            # binds it: try again on a fresh one, and say why if it never comes up.
-            _stop(server.process)
-            failures.append(str(exc))
-            continue
-        except BaseException:  # a pytest-timeout or ^C while waiting
-            _stop(server.process)
-            raise
-        try:
-            yield server
-        finally:
-            _stop(server.process)
-        return
-    raise StartupError("\n\n".join(failures))
-
-
-class StartupError(RuntimeError):
-    pass
-
-
-def _start(spec: ServerSpec, target: str, workdir: Path, attempt: int) -> Server:
-    port = free_port()
-    events_path = workdir / "events.jsonl"
-    log_path = workdir / f"server-{attempt}.log"
-    env = dict(os.environ)
-    env[EVENTS_ENV] = str(events_path)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            spec.argv(target, port),
-            cwd=workdir,  # not the tests folder: nothing there may shadow a server import
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: granian forks workers
-        )
-    return Server(spec, port, process, log_path, EventLog(events_path))
-
-
-def _wait_ready(server: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        if server.process.poll() is not None:
-            raise StartupError(f"{server.spec} exited at startup:\n{server.log()}")
-        try:
-            response = get(server.port, "/hello", timeout=READY_PROBE_TIMEOUT)
-            # Our app says hello, and our process is the one listening.
-            if response.body == b"hello" and server.process.poll() is None:
-                return
-        except (OSError, ValueError, KeyError):  # not listening yet, or not answering properly
-            pass
-        if time.monotonic() > deadline:
-            raise StartupError(f"{server.spec} not ready after {START_TIMEOUT} s:\n{server.log()}")
-        time.sleep(0.1)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
+    server = start_server(spec, target, workdir)
     try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        process.wait(STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
-    # Leftovers (a worker that ignored SIGTERM) and the leader if it hung.
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(STOP_TIMEOUT)
+        yield server
+    finally:
+        server.stop()
