@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from asgi_cancel.testing import http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
 WATCHDOG = 5.0
@@ -98,3 +99,14 @@ async def until(predicate: Callable[[], bool], *, timeout: float = WATCHDOG) -> 
 
 async def with_watchdog(awaitable: Awaitable[object], timeout: float = WATCHDOG) -> object:
     return await asyncio.wait_for(awaitable, timeout)
+
+
+async def run_capturing(
+    app: ASGIApp, receive: Receive, send: Send, scope: Scope | None = None
+) -> BaseException | None:
+    """Run the middleware-wrapped `app` like a server task; return what escaped, if anything."""
+    try:
+        await app(scope if scope is not None else http_scope(), receive, send)
+    except BaseException as exc:  # the test inspects it
+        return exc
+    return None

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, current_token, shield
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token, shield
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Message, Receive, Scope, Send
 
@@ -18,6 +18,7 @@ from .helpers import (
     read_body,
     receive_once,
     respond,
+    run_capturing,
     slow_app,
     streaming_app,
     until,
@@ -572,3 +573,30 @@ def current_token_set() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+async def test_middleware_wrapped_twice_cancels_once_and_returns_normally() -> None:
+    events: list[str] = []
+    tokens: list[CancelToken] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        tokens.append(current_token())
+        await read_body(receive)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            await asyncio.sleep(0.01)  # cleanup: not cancelled again by the outer middleware
+            events.append("cleanup done")
+            raise
+
+    before = asyncio.all_tasks()
+    conn = ClientConnection(b"x" * 100)
+    doubled = CancelOnDisconnectMiddleware(CancelOnDisconnectMiddleware(app))
+    task = asyncio.create_task(run_capturing(doubled, conn.receive, conn.send, http_scope("POST")))
+    await until(lambda: conn.receive_calls >= 2)
+    conn.disconnect()
+    assert await with_watchdog(task) is None
+    assert events == ["cancelled", "cleanup done"]
+    assert tokens[0].cancelled
+    assert asyncio.all_tasks() - before == set()

@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import threading
 import time
+from collections.abc import Callable
 
+import anyio
+import anyio.lowlevel
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
-from asgi_cancel.testing import ClientConnection
-from asgi_cancel.types import Receive, Scope, Send
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token, shield
+from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import read_body, respond, until, with_watchdog
+from .helpers import (
+    read_body,
+    respond,
+    run_capturing,
+    until,
+    with_watchdog,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -172,3 +183,151 @@ def test_standalone_token_fires() -> None:
     with pytest.raises(asyncio.CancelledError, match="test"):
         token.raise_if_cancelled()
     assert repr(token) == "<CancelToken cancelled, reason='test'>"
+
+
+async def test_shield_exit_then_dropped_response_does_not_leak_a_cancel_to_the_server() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        token = current_token()
+        with shield():
+            await until(lambda: token.cancelled)  # a commit that spans the disconnect
+        await respond(send)  # the client is gone: both sends are dropped, neither suspends
+
+    conn = ClientConnection()
+
+    async def server_task() -> str:
+        try:
+            await CancelOnDisconnectMiddleware(app)(http_scope(), conn.receive, conn.send)
+        except asyncio.CancelledError:
+            return "CancelledError escaped __call__"
+        try:
+            await asyncio.sleep(0)  # the server carries on in the same task (hypercorn: send(None))
+        except asyncio.CancelledError:
+            return "a pending cancel leaked into the server's task"
+        return "server carried on"
+
+    task = asyncio.create_task(server_task())
+    await until(lambda: conn.receive_calls >= 2)
+    conn.disconnect()
+    assert await with_watchdog(task) == "server carried on"
+
+
+async def test_callback_raising_cancelled_error_still_cancels_the_app() -> None:
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        token = current_token()
+        token.on_cancel(token.raise_if_cancelled)  # a sync check reused as a callback
+        current_token().on_cancel(lambda: events.append("second callback"))
+        await read_body(receive)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+
+    conn = ClientConnection()
+    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
+    await until(lambda: conn.receive_calls >= 2)
+    conn.disconnect()
+    await with_watchdog(task, 1.0)
+    assert events == ["second callback", "cancelled"]
+
+
+async def test_callback_unregistered_by_an_earlier_callback_does_not_run() -> None:
+    calls: list[str] = []
+    unregister: list[Callable[[], None]] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        token = current_token()
+
+        def first() -> None:
+            calls.append("first")
+            unregister[0]()  # e.g. the other `abort_on_cancel` block already exited
+
+        token.on_cancel(first)
+        unregister.append(token.on_cancel(lambda: calls.append("second")))
+        await read_body(receive)
+        await asyncio.sleep(30)
+
+    conn = ClientConnection()
+    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
+    await until(lambda: conn.receive_calls >= 2)
+    conn.disconnect()
+    await with_watchdog(task)
+    assert calls == ["first"]
+
+
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+def correlation_id_middleware(app: ASGIApp) -> ASGIApp:
+    """Like asgi-correlation-id: an outer middleware binds a per-request contextvar."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        _request_id.set(scope["path"])
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+async def test_callbacks_run_in_their_own_requests_context() -> None:
+    seen: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        token = current_token()
+
+        def callback() -> None:
+            try:
+                same = current_token() is token
+            except RuntimeError:
+                same = False
+            seen.append(f"{scope['path']}: request_id={_request_id.get()} token={same}")
+
+        token.on_cancel(callback)
+        await read_body(receive)
+        await asyncio.sleep(30 if scope["path"] == "/two" else 0.01)
+        await respond(send)
+
+    middleware = correlation_id_middleware(CancelOnDisconnectMiddleware(app))
+    one, two = ClientConnection(), ClientConnection()
+    # Two requests that start in the same event-loop iteration (one batch of watchers).
+    tasks = [
+        asyncio.create_task(one.run(middleware, http_scope(path="/one"))),
+        asyncio.create_task(two.run(middleware, http_scope(path="/two"))),
+    ]
+    await until(lambda: two.receive_calls >= 2)
+    two.disconnect()
+    await with_watchdog(asyncio.gather(*tasks))
+    assert seen == ["/two: request_id=/two token=True"]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_failing_async_callback_is_logged_not_raised(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def failing_abort() -> None:
+        await anyio.lowlevel.checkpoint()
+        raise ValueError("abort failed")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        current_token().on_cancel(failing_abort)
+        await read_body(receive)
+        await anyio.sleep(30)
+
+    conn = ClientConnection()
+    escaped: list[BaseException | None] = []
+
+    async def run() -> None:
+        escaped.append(
+            await run_capturing(CancelOnDisconnectMiddleware(app), conn.receive, conn.send)
+        )
+
+    with caplog.at_level(logging.ERROR, logger="asgi_cancel"), anyio.fail_after(5):
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(run)
+            while conn.receive_calls < 2:  # noqa: ASYNC110 (polling a plain counter)
+                await anyio.sleep(0.001)
+            conn.disconnect()
+    assert escaped == [None]
+    assert any("on_cancel task failed" in r.getMessage() for r in caplog.records)

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+import time
+
+import anyio
 import pytest
 import trio
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token, shield
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Message, Receive, Scope, Send
+
+from .helpers import (
+    read_body,
+    run_capturing,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -17,15 +28,6 @@ WATCHDOG = 5
 @pytest.fixture
 def anyio_backend() -> str:
     return "trio"
-
-
-async def read_body(receive: Receive) -> bytes:
-    body = b""
-    while True:
-        message = await receive()
-        body += bytes(message.get("body", b""))
-        if not message.get("more_body", False):
-            return body
 
 
 async def test_body_and_response_pass_through() -> None:
@@ -116,3 +118,114 @@ async def test_normal_response_then_disconnect_cancels_nothing() -> None:
     with trio.fail_after(WATCHDOG):
         await ClientConnection().run(CancelOnDisconnectMiddleware(app))
     assert events == ["background done, cancelled=False"]
+
+
+async def test_trio_raise_if_cancelled_in_a_worker_thread_ends_quietly() -> None:
+    started = threading.Event()
+    stopped: list[str] = []
+
+    def blocking_work() -> None:
+        token = current_token()
+        started.set()
+        for _ in range(500):  # bounded: 5 s at most
+            try:
+                token.raise_if_cancelled()
+            except asyncio.CancelledError:
+                stopped.append("thread stopped")
+                raise
+            time.sleep(0.01)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        await trio.to_thread.run_sync(blocking_work)
+
+    conn = ClientConnection()
+    escaped: list[BaseException | None] = []
+
+    async def run() -> None:
+        escaped.append(
+            await run_capturing(CancelOnDisconnectMiddleware(app), conn.receive, conn.send)
+        )
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            while not started.is_set() or conn.receive_calls < 2:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            conn.disconnect()
+    assert stopped == ["thread stopped"]
+    assert escaped == [None]
+
+
+@pytest.mark.parametrize("cleanup", ["reraises", "raises-error"])
+async def test_trio_outside_cancellation_reraises_the_apps_own_exception(cleanup: str) -> None:
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        try:
+            await trio.sleep(30)
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.01)
+            events.append("cleanup done")
+            if cleanup == "raises-error":
+                raise RuntimeError("cleanup failed") from None
+            raise
+
+    async def run_quietly() -> None:  # conn.app_exception records what reached the server
+        with contextlib.suppress(RuntimeError):
+            await conn.run(CancelOnDisconnectMiddleware(app))
+
+    conn = ClientConnection()
+    with trio.fail_after(5):
+        with trio.CancelScope() as outer:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_quietly)
+                while conn.receive_calls < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+                outer.cancel()  # server shutdown
+    assert events == ["cleanup done"]
+    assert not current_token_is_set()
+    if cleanup == "reraises":
+        assert isinstance(conn.app_exception, trio.Cancelled)
+    else:  # the app's error reaches the server (it is lost today)
+        assert isinstance(conn.app_exception, RuntimeError)
+
+
+async def test_trio_async_callback_finishes_before_the_request_ends() -> None:
+    events: list[str] = []
+
+    async def abort() -> None:
+        await trio.sleep(0.02)
+        events.append("abort finished")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        current_token().on_cancel(abort)
+        await read_body(receive)
+        try:
+            await trio.sleep(30)
+        except trio.Cancelled:
+            events.append("app cancelled")
+            raise
+
+    conn = ClientConnection()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.run, CancelOnDisconnectMiddleware(app))
+            while conn.receive_calls < 2:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            conn.disconnect()
+            with anyio.fail_after(1):
+                while not conn.app_finished:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            events.append("request ended")
+    assert events == ["app cancelled", "abort finished", "request ended"]
+
+
+def current_token_is_set() -> bool:
+    try:
+        current_token()
+    except RuntimeError:
+        return False
+    return True
