@@ -528,6 +528,9 @@ def run(
     if previous is not None and set(targets) != set(TARGETS):
         for target, data in previous.get("targets", {}).items():
             if target not in targets and "skipped" not in data:
+                for key in ("started", "load", "command"):  # files of one run keep these above
+                    data.setdefault(key, previous.get(key))
+                data.setdefault("code", previous.get("machine", {}).get("code", {}))
                 results["targets"][target] = data
     with tempfile.TemporaryDirectory(prefix="asgi-cancel-serving-") as scratch:
         work = Path(scratch)

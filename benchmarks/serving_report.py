@@ -51,7 +51,7 @@ def _ratio(with_: float, without: float) -> float:
 def bench_ratios(data: dict[str, Any]) -> dict[str, dict[str, float]]:
     """concurrency -> figure -> with/without ratio of the medians."""
     out: dict[str, dict[str, float]] = {}
-    for concurrency, variants in data.get("runs", {}).items():
+    for concurrency, variants in sorted(data.get("runs", {}).items(), key=lambda i: int(i[0])):
         out[concurrency] = {
             key: _ratio(
                 _median_of(variants.get("with", []), key),
@@ -66,7 +66,7 @@ def bench_table(data: dict[str, Any]) -> str:
     if data.get("status") != "ran":
         return f"vllm bench serve: {data.get('status')}"
     rows = []
-    for concurrency, variants in data["runs"].items():
+    for concurrency, variants in sorted(data["runs"].items(), key=lambda item: int(item[0])):
         reps = len(variants.get("with", []))
         for key, label, higher in BENCH_FIGURES:
             without = _median_of(variants.get("without", []), key)
@@ -74,12 +74,12 @@ def bench_table(data: dict[str, Any]) -> str:
             ratio = _ratio(with_, without)
             within = (ratio >= 0.99) if higher else (ratio <= 1.01)
             digits = 2 if key.endswith("_ms") or key == "request_throughput" else 1
-            pairs = [
-                _ratio(float(b[key]), float(a[key]))
+            values = [
+                (_value(a, key), _value(b, key))
                 for a, b in zip(variants.get("without", []), variants.get("with", []), strict=False)
-                if a.get(key) and b.get(key) is not None
             ]
-            alone = [float(a[key]) for a in variants.get("without", []) if a.get(key)]
+            pairs = [_ratio(b, a) for a, b in values if a and b is not None]
+            alone = [a for a, _b in values if a]
             rows.append(
                 [
                     concurrency,
