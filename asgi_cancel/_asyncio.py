@@ -13,11 +13,13 @@ import contextvars
 import sys
 import types
 from collections.abc import Awaitable, Generator
+from time import monotonic
 from typing import Any
 
 from ._asyncio_task import in_anyio_shield, reacting, thread_future
-from ._cycle import Cycle, Options, State, logger, new_cycle, send_cancelled_response
+from ._cycle import Cycle, Options, State, complete_cancelled, logger, new_cycle
 from ._token import CancelToken, bind, run_detached, unbind
+from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
 _HAS_UNCANCEL = sys.version_info >= (3, 11)
@@ -32,17 +34,24 @@ _NO_CONTEXT = contextvars.Context()
 class AsyncioDriver:
     """Runs requests on asyncio for one middleware instance."""
 
-    __slots__ = ("app", "options")
+    __slots__ = ("app", "options", "tracking")
 
-    def __init__(self, app: AnyASGIApp, options: Options) -> None:
+    def __init__(self, app: AnyASGIApp, options: Options, tracking: Tracking | None) -> None:
         self.app = app
         self.options = options
+        self.tracking = tracking
 
     def start(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None] | None:
         """Run the app's first step, by hand and synchronously, inside the middleware's own
         coroutine frame (no coroutine of ours per request). Returns None when the request is
         over, else what the middleware must await for the rest of it."""
         cycle = new_cycle(scope, receive, send, self.options, AsyncioLoop)
+        if self.tracking is not None:  # ids or deadlines: only when the options ask for them
+            refused = self.tracking.begin(cycle)
+            if refused is not None:
+                return refused
+            tracked: AsyncioLoop = cycle.attached()  # type: ignore[assignment]
+            tracked.track(self.tracking)
         reset = bind(cycle.token)
         awaitable: Any = self.app(scope, cycle.receive, cycle.send)
         if type(awaitable) is not _CoroutineType:
@@ -101,7 +110,6 @@ async def _rest(
         if loop is not None and loop.cancel_issued and _HAS_UNCANCEL:
             loop.task.uncancel()  # type: ignore[attr-defined,unused-ignore]  # app swallowed it
     finally:
-        scope, send = cycle.scope, cycle.real_send
         cycle.finished()
         loop = cycle.loop  # type: ignore[assignment]
         try:
@@ -112,8 +120,8 @@ async def _rest(
             if loop is not None:
                 # cycle <-> loop: broken here so that reference counting frees them.
                 cycle.loop = loop.task = None  # type: ignore[assignment]
-    if cycle.first_sent is None and token.cancelled:
-        await send_cancelled_response(scope, send)
+    if token.cancelled:
+        await complete_cancelled(cycle)
 
 
 @types.coroutine
@@ -155,6 +163,8 @@ class AsyncioLoop:
     watch_timer: asyncio.TimerHandle | None = None
     grace_timer: asyncio.TimerHandle | None = None
     spawned: set[asyncio.Task[object]] | frozenset[asyncio.Task[object]] | None = None
+    tracking: Tracking | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
 
     def __init__(self, cycle: Cycle) -> None:
         self.cycle = cycle
@@ -172,6 +182,21 @@ class AsyncioLoop:
             )
         else:
             _NO_CONTEXT.run(self.start_watching)
+
+    def track(self, tracking: Tracking) -> None:
+        """Make the request findable by id, and arm its one deadline timer if it has one."""
+        self.tracking = tracking
+        loop = self.task.get_loop()
+        tracking.register(self.cycle, loop.call_soon_threadsafe)
+        deadline = self.cycle.token.deadline
+        if deadline is not None:
+            self.deadline_timer = loop.call_later(
+                deadline - monotonic(), self._deadline_passed, context=_NO_CONTEXT
+            )
+
+    def _deadline_passed(self) -> None:
+        self.deadline_timer = None
+        self.cycle.stop(DEADLINE_EXCEEDED, DEADLINE_STATUS)
 
     def start_watching(self) -> None:
         self.watch_timer = None
@@ -299,6 +324,11 @@ class AsyncioLoop:
             self.grace_timer.cancel()
             self.grace_timer = None
         self.app_awaitable = None
+        if self.tracking is not None:
+            self.tracking.unregister(self.cycle)
+            if self.deadline_timer is not None:
+                self.deadline_timer.cancel()
+                self.deadline_timer = None
         return self.watcher is None and not self.spawned
 
     async def finish(self, outside: bool) -> None:

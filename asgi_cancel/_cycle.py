@@ -7,6 +7,7 @@ No event-loop code here: parking, cancelling the app and timers are the `Loop` a
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -96,6 +97,7 @@ class Cycle:
         "scope",
         "started_at",
         "state",
+        "status",
         "token",
     )
 
@@ -116,6 +118,7 @@ class Cycle:
     buffer: deque[Message] | None
     buffered: int
     started_at: float
+    status: int  # set by stop() only, read only after it
 
     def attached(self) -> Loop:
         """The request's `Loop`, attached on first need (a yield, a disconnect)."""
@@ -276,32 +279,54 @@ class Cycle:
             if self._response_complete():
                 self.state = _RESPONSE_COMPLETE
             else:
-                # The app is listening itself when it waits in receive() after the whole body
-                # (Starlette's StreamingResponse below spec 2.4, vLLM's with_cancellation):
-                # give it the message first, and cancel only what still runs after the grace
-                # period. Callers already handed a buffered message (woken, not yet resumed)
-                # are not listening: they are still reading the body.
-                listening = self.state is _WATCHING and self.app_waiting > len(self.buffer or ())
-                self.state = _CANCELLED
-                loop = self.attached()
-                try:
-                    self._fire(loop)
-                finally:
-                    if listening:
-                        loop.start_grace()
-                    else:
-                        self.token.cancel_app()
-                        requested = True
+                requested = self._cancel(REASON)
         self.wake()
         return requested
 
-    def _fire(self, loop: Loop) -> None:
+    def stop(self, reason: str, status: int) -> bool:
+        """Cancel the request for `reason` while its client is still connected (cancelled by
+        id, deadline passed): the same token, callbacks and single cancellation of the app as
+        a disconnect; once the app has ended, `complete_cancelled()` answers `status` (or ends
+        a started stream). Returns False if there was nothing to stop: the response was
+        complete, or the request was already cancelled or over."""
+        if self.disconnect is not None or self._response_complete():
+            return False
+        if self.state is not _READING_BODY and self.state is not _WATCHING:
+            return False  # pragma: no cover - a disconnect is cached in every other state
+        # To the app the request is over, as after a disconnect: its receive() gets
+        # http.disconnect (so an app that listens reacts itself) and its sends are dropped; the
+        # middleware completes the response once the app has ended.
+        self.disconnect = STOPPED
+        self.status = status
+        self._cancel(reason)
+        self.wake()
+        return True
+
+    def _cancel(self, reason: str) -> bool:
+        # The app is listening itself when it waits in receive() after the whole body
+        # (Starlette's StreamingResponse below spec 2.4, vLLM's with_cancellation): give it
+        # the message first, and cancel only what still runs after the grace period. Callers
+        # already handed a buffered message (woken, not yet resumed) are not listening: they
+        # are still reading the body.
+        listening = self.state is _WATCHING and self.app_waiting > len(self.buffer or ())
+        self.state = _CANCELLED
+        loop = self.attached()
+        try:
+            self._fire(loop, reason)
+        finally:
+            if listening:
+                loop.start_grace()
+            else:
+                self.token.cancel_app()
+        return not listening
+
+    def _fire(self, loop: Loop, reason: str) -> None:
         elapsed = monotonic() - self.started_at
-        self.token.fire(REASON, loop)
+        self.token.fire(reason, loop)
         report_cancelled(
             self.scope,
             self.token,
-            REASON,
+            reason,
             elapsed,
             self.response_started,
             self.options.on_cancelled,
@@ -309,6 +334,10 @@ class Cycle:
 
 
 REQUEST_OVER: Message = {"type": "http.disconnect"}
+# What the app's receive() gets after `stop()`: the request is over for it (its client may be
+# still there, and gets the middleware's response).
+STOPPED: Message = {"type": "http.disconnect"}
+_LAST_TRAILERS: Message = {"type": "http.response.trailers", "headers": [], "more_trailers": False}
 _new_object = object.__new__
 
 
@@ -358,3 +387,52 @@ async def send_cancelled_response(scope: Scope, send: Send) -> None:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
     except Exception:  # ASGI lets a server raise OSError for a send to a closed connection
         logger.debug("asgi_cancel: the 499 for a cancelled request was refused", exc_info=True)
+
+
+def error_response(status: int, message: str) -> tuple[Message, Message]:
+    """The two ASGI messages of a small JSON error response: `{"error": message}`."""
+    body = json.dumps({"error": message}).encode()
+    start: Message = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+    }
+    return start, {"type": "http.response.body", "body": body}
+
+
+async def complete_cancelled(cycle: Cycle) -> None:
+    """The app of a cancelled request has ended: complete what the server still waits for.
+
+    After a disconnect, a 499 if no response started (`send_cancelled_response`). After
+    `stop()` with the client still connected: `cycle.status` with a JSON body if no response
+    started, else the end of the started response (a final empty body; trailers if announced),
+    so that the client sees a clean end rather than a connection reset.
+    """
+    scope, send = cycle.scope, cycle.real_send
+    if cycle.disconnect is not STOPPED:  # the client left (possibly after a stop)
+        if cycle.first_sent is None:
+            await send_cancelled_response(scope, send)
+        return
+    try:
+        if cycle.first_sent is None:
+            start, body = error_response(cycle.status, cycle.token.reason or "cancelled")
+            await send(start)
+            await send(body)
+            return
+        last = cycle.last_sent
+        if not (last is not None and last["type"] == "http.response.trailers"):
+            if not (
+                last is not None
+                and last["type"] == "http.response.body"
+                and not last.get("more_body", False)
+            ):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if cycle.first_sent.get("trailers", False):
+                await send(dict(_LAST_TRAILERS))
+        elif last.get("more_trailers", False):
+            await send(dict(_LAST_TRAILERS))
+    except Exception:  # ASGI lets a server raise OSError for a send to a closed connection
+        logger.debug("asgi_cancel: completing a stopped request failed", exc_info=True)

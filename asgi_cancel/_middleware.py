@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._asyncio import AsyncioDriver
+from ._registry import CancelRegistry
+from ._tracking import Timeouts, Tracking
 from .types import AnyASGIApp, OnCancelled, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -89,6 +91,23 @@ class CancelOnDisconnectMiddleware:
             request): path prefixes (`("/payments", "/admin/")`, matched against
             `scope["path"]`) or a predicate `exclude(scope) -> bool`. For one endpoint that
             must run to the end, `asgi_cancel.detach()` is the alternative. Default None.
+        registry: a `CancelRegistry`: every request gets an id (its `X-Request-Id` header,
+            the registry's `header`, when present, else generated), reported by
+            `current_token().request_id` and `request.state.request_id` on Starlette, and
+            can be cancelled by id (`registry.cancel(request_id)`): its client, still
+            connected, gets a 499 (a started stream is ended cleanly). Default None: no ids,
+            and requests pay nothing for them.
+        timeout: a deadline in seconds for every request (None: none). When it passes, the
+            token fires with reason `"deadline exceeded"`, the app is cancelled as for a
+            disconnect, and the client gets a 504 (a started stream is ended cleanly). One
+            timer per request that has a deadline; none for the others.
+        timeouts: per-route deadlines overriding `timeout`: a mapping of path prefixes to
+            seconds or None (the longest matching prefix wins), or a callable
+            `timeouts(scope) -> seconds | None`.
+        timeout_header: a request header carrying the caller's remaining budget
+            (`"x-request-timeout"`: `30`, `1.5`, `30s`, `500ms`, `2m`); the deadline is the
+            smaller of it and the configured one. A malformed value is answered 400 and the
+            app is not called; a budget of 0 is answered 504. Default None: not read.
 
     Raises:
         TypeError: `app` is not callable.
@@ -104,6 +123,10 @@ class CancelOnDisconnectMiddleware:
         on_cancelled: OnCancelled | None = None,
         watch_delay: float = DEFAULT_WATCH_DELAY,
         exclude: Sequence[str] | Callable[[Scope], bool] | None = None,
+        registry: CancelRegistry | None = None,
+        timeout: float | None = None,
+        timeouts: Timeouts | None = None,
+        timeout_header: str | None = None,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI callable, got {_describe(app)}")
@@ -121,7 +144,13 @@ class CancelOnDisconnectMiddleware:
         self.on_cancelled = on_cancelled
         self.watch_delay = _seconds("watch_delay", watch_delay)
         self.exclude = _excluder(exclude)
-        self._asyncio = AsyncioDriver(app, self)
+        self.registry = registry
+        tracking = None
+        options = (registry, timeout, timeouts, timeout_header)
+        if any(option is not None for option in options):
+            tracking = Tracking(registry, timeout, timeouts, timeout_header)
+        self._tracking = tracking
+        self._asyncio = AsyncioDriver(app, self, tracking)
         self._trio: TrioDriver | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -135,5 +164,5 @@ class CancelOnDisconnectMiddleware:
             if self._trio is None:
                 from ._trio import TrioDriver  # trio is imported only when it runs
 
-                self._trio = TrioDriver(self.app, self)
+                self._trio = TrioDriver(self.app, self, self._tracking)
             await self._trio.run(scope, receive, send)

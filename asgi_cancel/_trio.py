@@ -6,11 +6,13 @@ import asyncio
 import inspect
 import sys
 from collections.abc import Awaitable
+from time import monotonic
 
 import trio
 
-from ._cycle import Cycle, Options, State, logger, new_cycle, send_cancelled_response
+from ._cycle import Cycle, Options, State, complete_cancelled, logger, new_cycle
 from ._token import bind, unbind
+from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
 if sys.version_info < (3, 11):  # trio depends on the backport there
@@ -23,14 +25,22 @@ class TrioDriver:
     """Runs requests on trio for one middleware instance. Every request is watched from its
     start (a nursery costs little next to trio's own per-task cost)."""
 
-    __slots__ = ("app", "options")
+    __slots__ = ("app", "options", "tracking")
 
-    def __init__(self, app: AnyASGIApp, options: Options) -> None:
+    def __init__(self, app: AnyASGIApp, options: Options, tracking: Tracking | None) -> None:
         self.app = app
         self.options = options
+        self.tracking = tracking
 
     async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
         cycle = new_cycle(scope, receive, send, self.options, TrioLoop)
+        tracking = self.tracking
+        if tracking is not None:  # ids or deadlines: only when the options ask for them
+            refused = tracking.begin(cycle)
+            if refused is not None:
+                await refused
+                return
+            tracking.register(cycle, trio.lowlevel.current_trio_token().run_sync_soon)
         loop: TrioLoop = cycle.attached()  # type: ignore[assignment]
         token = cycle.token
         reset = bind(token)
@@ -39,6 +49,10 @@ class TrioDriver:
             async with trio.open_nursery() as nursery:
                 loop.nursery = nursery
                 nursery.start_soon(loop.watch_in_scope)
+                if token.deadline is not None:
+                    # Made here, not in the task: cancelled before it starts, it still ends.
+                    loop.deadline_scope = trio.CancelScope()
+                    nursery.start_soon(loop.wait_deadline, token.deadline)
                 try:
                     with loop.app_scope:
                         await self.app(scope, cycle.receive, cycle.send)
@@ -53,6 +67,8 @@ class TrioDriver:
                     cycle.finished()
                     loop.watch_scope.cancel()
                     loop.grace_scope.cancel()
+                    if loop.deadline_scope is not None:
+                        loop.deadline_scope.cancel()
         except BaseExceptionGroup as group:
             # An outside cancellation also cancels the watcher; its Cancelled must not replace
             # the app's own exception.
@@ -62,16 +78,26 @@ class TrioDriver:
         finally:
             unbind(reset)
             loop.nursery = None
+            if tracking is not None:
+                tracking.unregister(cycle)
         if error is not None:
             raise error
-        if token.cancelled and not cycle.response_started:
-            await send_cancelled_response(scope, send)
+        if token.cancelled:
+            await complete_cancelled(cycle)
 
 
 class TrioLoop:
     """One request's trio side: parked callers, the app's and the watcher's cancel scopes."""
 
-    __slots__ = ("app_scope", "cycle", "grace_scope", "lot", "nursery", "watch_scope")
+    __slots__ = (
+        "app_scope",
+        "cycle",
+        "deadline_scope",
+        "grace_scope",
+        "lot",
+        "nursery",
+        "watch_scope",
+    )
 
     def __init__(self, cycle: Cycle) -> None:
         self.cycle = cycle
@@ -80,10 +106,16 @@ class TrioLoop:
         self.watch_scope = trio.CancelScope()
         self.grace_scope = trio.CancelScope()
         self.nursery: trio.Nursery | None = None
+        self.deadline_scope: trio.CancelScope | None = None
 
     async def watch_in_scope(self) -> None:
         with self.watch_scope:
             await self.cycle.watch()
+
+    async def wait_deadline(self, deadline: float) -> None:
+        with self.deadline_scope or trio.CancelScope():
+            await trio.sleep(max(0.0, deadline - monotonic()))
+            self.cycle.stop(DEADLINE_EXCEEDED, DEADLINE_STATUS)
 
     async def park(self) -> None:
         await self.lot.park()

@@ -20,14 +20,18 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 def test_all_lists_exactly_the_public_names() -> None:
     assert asgi_cancel.__all__ == (
         "CancelOnDisconnectMiddleware",
+        "CancelRegistry",
         "CancelToken",
+        "cancel_endpoint",
         "current_token",
         "detach",
+        "require_header",
         "shield",
     )
     public = {name for name in dir(asgi_cancel) if not name.startswith("_")}
     # submodules appear as attributes once imported elsewhere in the test session
-    assert public - {"otel", "prometheus", "testing", "types", "vllm"} == set(asgi_cancel.__all__)
+    submodules = {"httpx", "otel", "prometheus", "testing", "types", "vllm"}
+    assert public - submodules == set(asgi_cancel.__all__)
     assert isinstance(asgi_cancel.__version__, str)
 
 

@@ -1,0 +1,113 @@
+"""`cancel_endpoint()`: a mountable ASGI app that cancels requests by id over HTTP."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+
+from ._registry import CANCELLED, CancelRegistry
+from .types import ASGIApp, Receive, Scope, Send
+
+Authorize = Callable[[Scope], bool]
+
+
+def require_header(name: str, secret: str) -> Authorize:
+    """An `authorize` check for `cancel_endpoint`: the request must carry `name: secret`.
+
+    Compared in constant time. Use a secret that only gateways and operators know, and still
+    serve the endpoint where only they can reach it (an internal port or path).
+
+    Args:
+        name: the header name, e.g. `"x-cancel-secret"`.
+        secret: the shared secret.
+
+    Raises:
+        ValueError: `name` or `secret` is empty.
+    """
+    if not name or not secret:
+        raise ValueError("require_header needs a header name and a non-empty secret")
+    header = name.lower().encode("latin-1")
+    expected = secret.encode()
+
+    def authorize(scope: Scope) -> bool:
+        for key, value in scope.get("headers", ()):
+            if key == header:
+                return hmac.compare_digest(bytes(value), expected)
+        return False
+
+    return authorize
+
+
+def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) -> ASGIApp:
+    """An ASGI app that cancels running requests by id: `POST /{id}/cancel` or `DELETE /{id}`.
+
+    Mount it where gateways and operators can reach it and clients cannot (Starlette:
+    `Mount("/requests", cancel_endpoint(registry, authorize=...))`). Paths are taken
+    relative to `scope["root_path"]`. Answers, as JSON:
+
+    - 202 `{"id": ..., "cancelled": true}`: the request was running and is now cancelled
+      (its client gets a 499, or the end of its stream);
+    - 404 `{"id": ..., "cancelled": false}`: no such request running (unknown, finished, or
+      already cancelled);
+    - 403 when `authorize(scope)` is false, 405 for another method, 404 for another path.
+
+    Args:
+        registry: the `CancelRegistry` given to `CancelOnDisconnectMiddleware`.
+        authorize: a check on the request's scope, e.g. `require_header("x-cancel-secret",
+            secret)`; required, pass None explicitly to accept every caller (only behind a
+            port that nobody else can reach).
+    """
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":  # mounted alone: nothing to start or stop
+                while (await receive())["type"] != "lifespan.shutdown":
+                    await send({"type": "lifespan.startup.complete"})
+                await send({"type": "lifespan.shutdown.complete"})
+            return
+        path: str = scope.get("path", "")
+        root: str = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        parts = [part for part in path.split("/") if part]
+        method = scope.get("method", "GET")
+        if len(parts) == 2 and parts[1] == "cancel":
+            allowed = "POST"
+        elif len(parts) == 1:
+            allowed = "DELETE"
+        else:
+            await _answer(send, 404, {"error": "not found"})
+            return
+        if method != allowed:
+            await _answer(send, 405, {"error": f"use {allowed}"}, [(b"allow", allowed.encode())])
+            return
+        if authorize is not None and not authorize(scope):
+            await _answer(send, 403, {"error": "forbidden"})
+            return
+        request_id = parts[0]
+        cancelled = registry.cancel(request_id, CANCELLED)
+        await _answer(send, 202 if cancelled else 404, {"id": request_id, "cancelled": cancelled})
+
+    return app
+
+
+async def _answer(
+    send: Send,
+    status: int,
+    content: dict[str, object],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    body = json.dumps(content).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or ()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
