@@ -1,0 +1,147 @@
+"""`asgi_cancel.httpx.CancelTransport`: outgoing requests bound to the request's token."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, current_token
+from asgi_cancel.httpx import CancelTransport, UpstreamCancelled
+from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.types import Receive, Scope, Send
+
+from .helpers import until
+
+pytestmark = pytest.mark.anyio
+WATCHDOG = 5.0
+
+
+class SlowUpstream(httpx.AsyncBaseTransport):
+    """Answers after `delay` seconds, with a body streamed one chunk every 10 ms."""
+
+    def __init__(self, delay: float = 0.0, chunks: int = 3000) -> None:
+        self.delay = delay
+        self.chunks = chunks
+        self.events: list[str] = []
+        self.headers: list[httpx.Headers] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.headers.append(request.headers)
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.events.append("send cancelled")
+            raise
+        return httpx.Response(200, stream=SlowBody(self.events, self.chunks))
+
+
+class SlowBody(httpx.AsyncByteStream):
+    def __init__(self, events: list[str], chunks: int) -> None:
+        self.events = events
+        self.chunks = chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for _ in range(self.chunks):
+            yield b"chunk\n"
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                self.events.append("read cancelled")
+                raise
+
+    async def aclose(self) -> None:
+        self.events.append("closed")
+
+
+def scope_with_id(request_id: str) -> Scope:
+    return http_scope(
+        headers=[(b"x-request-id", request_id.encode()), (b"x-request-timeout", b"20s")]
+    )
+
+
+async def run_gateway(upstream: SlowUpstream, *, stream: bool, outcome: list[str]) -> None:
+    """A gateway whose upstream call runs in a task of its own (not the app task): only the
+    transport can stop it when the request is cancelled."""
+    registry = CancelRegistry()
+    client = httpx.AsyncClient(transport=CancelTransport(upstream), base_url="http://up")
+
+    async def call_upstream() -> None:
+        try:
+            if stream:
+                async with client.stream("GET", "/") as response:
+                    async for _ in response.aiter_raw():
+                        outcome.append("chunk")
+            else:
+                await client.get("/")
+        except UpstreamCancelled as exc:
+            outcome.append(f"upstream cancelled: {exc}")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.get_running_loop().create_task(call_upstream())
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.wait_for(asyncio.shield(task), WATCHDOG)
+
+    conn = ClientConnection()
+    run = asyncio.get_running_loop().create_task(
+        conn.run(CancelOnDisconnectMiddleware(app, registry=registry), scope_with_id("g1"))
+    )
+    await until(lambda: "g1" in registry and (not stream or "chunk" in outcome))
+    await asyncio.sleep(0.02)
+    assert registry.cancel("g1") is True
+    await asyncio.wait_for(run, WATCHDOG)
+    assert conn.status == 499  # the gateway app sent nothing: the middleware's answer
+    await client.aclose()
+
+
+async def test_a_pending_upstream_request_is_cancelled_when_the_token_fires() -> None:
+    upstream = SlowUpstream(delay=30)
+    outcome: list[str] = []
+    await run_gateway(upstream, stream=False, outcome=outcome)
+    assert upstream.events == ["send cancelled"]
+    assert outcome == ["upstream cancelled: request cancelled: cancelled"]
+
+
+async def test_a_streaming_upstream_response_is_closed_when_the_token_fires() -> None:
+    upstream = SlowUpstream()
+    outcome: list[str] = []
+    await run_gateway(upstream, stream=True, outcome=outcome)
+    assert outcome[-1] == "upstream cancelled: request cancelled: cancelled"
+    assert "closed" in upstream.events
+
+
+async def test_the_id_and_the_remaining_deadline_are_forwarded() -> None:
+    upstream = SlowUpstream(chunks=2)
+    client = httpx.AsyncClient(transport=CancelTransport(upstream), base_url="http://up")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        assert current_token().request_id == "fw"
+        response = await client.get("/", headers={"x-other": "1"})
+        await response.aclose()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = CancelOnDisconnectMiddleware(
+        app, registry=CancelRegistry(), timeout_header="x-request-timeout"
+    )
+    conn = ClientConnection()
+    await asyncio.wait_for(conn.run(middleware, scope_with_id("fw")), WATCHDOG)
+    assert conn.status == 204
+    headers = upstream.headers[0]
+    assert headers["x-request-id"] == "fw"
+    assert headers["x-other"] == "1"
+    assert 19000 < int(headers["x-request-timeout"].removesuffix("ms")) <= 20000
+    await client.aclose()
+
+
+async def test_outside_a_request_it_passes_through() -> None:
+    upstream = SlowUpstream()
+    async with httpx.AsyncClient(transport=CancelTransport(upstream)) as client:
+        async with client.stream("GET", "http://up/") as response:
+            async for _ in response.aiter_raw():
+                break
+    assert "x-request-id" not in upstream.headers[0]
