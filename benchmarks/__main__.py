@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.benchmark == "serving":
         from . import serving
 
-        targets = ["sim", "vllm"] if args.target == "all" else [args.target]
+        targets = ["vllm", "sim"] if args.target == "all" else [args.target]
         serving.run(args.quick, targets, require=args.require_tools, install=not args.no_install)
         emit(f"done in {time.monotonic() - started:.0f} s; load average after: {loadavg()}")
         return
