@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
+import socket
+import sys
 from typing import Any, cast
 
 from starlette.types import ASGIApp
@@ -70,7 +73,29 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     return simulated, args.model_name or SIM_MODEL_NAME
 
 
+def port_in_use_message(host: str, port: int) -> str:
+    return f"error: cannot listen on {host}:{port}: port {port} is already in use"
+
+
+def check_port(host: str, port: int) -> None:
+    """Exit with one line if the port cannot be bound (before the engine starts, not after)."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        ):
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+                sock.bind(address)
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            raise SystemExit(port_in_use_message(host, port)) from None
+        raise SystemExit(
+            f"error: cannot listen on {host}:{port}: {error.strerror or error}"
+        ) from None
+
+
 def main(args: argparse.Namespace) -> int:
+    check_port(args.host, args.port)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -88,10 +113,16 @@ def main(args: argparse.Namespace) -> int:
         args.server,
         "ON" if args.middleware else "OFF",
     )
-    if args.server == "uvicorn":
-        run_uvicorn(app, args.host, args.port, args.log_level)
-    else:
-        asyncio.run(run_hypercorn(app, args.host, args.port))
+    try:
+        if args.server == "uvicorn":
+            run_uvicorn(app, args.host, args.port, args.log_level)
+        else:
+            asyncio.run(run_hypercorn(app, args.host, args.port))
+    except OSError as error:  # the port was taken between the check and the bind
+        if error.errno != errno.EADDRINUSE:
+            raise
+        sys.stderr.write(port_in_use_message(args.host, args.port) + "\n")
+        return 1
     return 0
 
 
