@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import importlib.util
 import logging
 import signal
 import socket
@@ -59,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     """The engine the arguments ask for, and the model name to serve it as."""
     if args.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise SystemExit(
+                "error: --engine vllm needs vLLM, which is not installed: "
+                "pip install 'asgi-cancel[vllm]'"
+            )
         if not args.model:
             raise SystemExit("--engine vllm needs --model PATH")
         from .vllm_engine import VllmEngine  # imports vllm only when asked for

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from example_app.launch import HOST, PACKAGE_ROOT
+from example_app.launch import HOST, PACKAGE_ROOT, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,4 +42,16 @@ def test_busy_port_is_one_line_naming_the_port(busy_port: int, server: str) -> N
     assert len(lines) == 1, result.stderr
     assert str(busy_port) in lines[0]
     assert "already in use" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this venv"
+)
+def test_vllm_engine_without_vllm_names_the_extra() -> None:
+    result = run_serve("--engine", "vllm", "--model", "some-model", "--port", str(free_port()))
+    assert result.returncode != 0
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "pip install 'asgi-cancel[vllm]'" in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
