@@ -14,7 +14,6 @@ import asyncio
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -98,7 +97,7 @@ def run_server(load: Load, engine: Engine, server: str, *, middleware: bool) -> 
         except BaseException:
             sys.stderr.write(f"\nserver output:\n{process.log_tail()}\n")
             raise
-    progress.finish()
+    progress.finish(run.idle_after)
     return run
 
 
@@ -108,7 +107,6 @@ class Progress:
     def __init__(self, label: str) -> None:
         self.label = label
         self.tty = sys.stderr.isatty()
-        self.started = time.monotonic()
         self.done = self.total = 0
 
     def __call__(self, done: int, total: int) -> None:
@@ -121,11 +119,14 @@ class Progress:
             sys.stderr.write(f"{self.label}: {total} clients ...\n")
         sys.stderr.flush()
 
-    def finish(self) -> None:
-        elapsed = time.monotonic() - self.started
-        line = f"{self.done}/{self.total} clients, engine idle after {elapsed:.1f} s"
+    def finish(self, idle_after: float) -> None:
+        """`idle_after`: seconds from the first client to the engine idle, as on the chart.
+
+        Server start and stop are not in it.
+        """
+        line = f"{self.done}/{self.total} clients, engine idle after {idle_after:.1f} s"
         if self.tty:
-            sys.stderr.write(f" ({elapsed:.1f} s)\n")
+            sys.stderr.write(f", engine idle after {idle_after:.1f} s\n")
         else:
             sys.stderr.write(f"{self.label}: {line}\n")
         sys.stderr.flush()

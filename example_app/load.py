@@ -69,6 +69,8 @@ class Run:
     timeline: list[Sample] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)  # counters: since the warm-up
     wall: float = 0.0
+    # Seconds from the first client to the engine being idle (the chart's time axis).
+    idle_after: float = 0.0
 
 
 def plan(load: Load) -> list[ClientPlan]:
@@ -128,6 +130,7 @@ async def run_load(
             # Without the middleware, abandoned generations are still running: let them finish,
             # so that their waste is counted in full.
             await asyncio.wait_for(_wait_idle(http), WATCHDOG)
+            run.idle_after = time.monotonic() - origin
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)

@@ -46,6 +46,11 @@ def test_quick_demo_prints_its_table_and_writes_its_chart(tmp_path: Path) -> Non
     assert chart.stat().st_size > 10_000
     assert chart.with_suffix(".txt").read_text().strip() == table.split("\nchart:")[0].strip()
     assert "without: 16/16 clients" in result.stderr  # the progress report
+    # The idle time is counted from the first client (the chart's axis), so it is shorter than
+    # the quick load's watchdog and excludes server start and stop: well under the whole run.
+    idle = re.findall(r"engine idle after ([\d.]+) s", result.stderr)
+    assert len(idle) == 2, result.stderr
+    assert all(0 < float(seconds) < 30 for seconds in idle)
 
     wasted = re.search(r"tokens wasted on departed clients +([\d,]+) +([\d,]+)", table)
     assert wasted is not None, table
