@@ -7,10 +7,12 @@ token, the engine request is aborted by id at once, and the handler task is canc
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -30,14 +32,42 @@ from .openai_errors import (
     aborted,
     as_openai_error,
     from_engine_error,
+    shutting_down,
 )
 from .openai_request import GenerationRequest, Kind, parse_json_body, parse_request
 from .openai_response import DONE, Responder, sse
 
 MAX_BODY = 1024 * 1024
+logger = logging.getLogger("example_app")
 
 
-def create_app(engine: Engine, *, model_name: str, cancel_on_disconnect: bool = True) -> ASGIApp:
+class Shutdown:
+    """How the server tells the app it is stopping, before it waits for requests in flight.
+
+    `begin()` is safe from a signal handler or another thread: the app then aborts its engine
+    requests, ends each stream with an error event (a 503 status before the headers) and logs
+    one line per request, so the server's graceful shutdown finds nothing left to cut.
+    """
+
+    def __init__(self) -> None:
+        self._handler: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _attach(self, handler: Callable[[], None]) -> None:
+        self._handler, self._loop = handler, asyncio.get_running_loop()
+
+    def begin(self) -> None:
+        if self._handler is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._handler)
+
+
+def create_app(
+    engine: Engine,
+    *,
+    model_name: str,
+    cancel_on_disconnect: bool = True,
+    shutdown: Shutdown | None = None,
+) -> ASGIApp:
     """The ASGI app: OpenAI routes over `engine`, with or without the middleware.
 
     Args:
@@ -45,12 +75,15 @@ def create_app(engine: Engine, *, model_name: str, cancel_on_disconnect: bool = 
         model_name: the one model name clients must send (`/v1/models` lists it).
         cancel_on_disconnect: wrap the app in `CancelOnDisconnectMiddleware`. When False
             (the demo's baseline), a `DepartureRecorder` only notes when clients leave.
+        shutdown: the server calls its `begin()` when it starts stopping.
     """
     server = _Server(engine, model_name, cancel_on_disconnect)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        if shutdown is not None:
+            shutdown._attach(server.begin_shutdown)
         try:
             yield
         finally:
@@ -80,6 +113,37 @@ class _Server:
         self.cancel_on_disconnect = cancel_on_disconnect
         self.cancelled = 0
         self.started = int(time.time())
+        self.in_flight: set[str] = set()
+        self.shutting_down = False
+        self._aborting: asyncio.Task[None] | None = None
+
+    def begin_shutdown(self) -> None:
+        """Abort every engine request in flight; each ends with a shutdown error."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        if self.in_flight:
+            self._aborting = asyncio.create_task(self.engine.abort(list(self.in_flight)))
+
+    @contextmanager
+    def _tracked(self, request_id: str) -> Iterator[None]:
+        if self.shutting_down:
+            raise self._abort_error(request_id, 0)
+        self.in_flight.add(request_id)
+        try:
+            yield
+        finally:
+            self.in_flight.discard(request_id)
+
+    def _abort_error(self, request_id: str, tokens: int) -> OpenAIError:
+        if not self.shutting_down:
+            return aborted()
+        logger.warning(
+            "%s: ended by the server's shutdown after %d tokens (503 server_shutting_down)",
+            request_id,
+            tokens,
+        )
+        return shutting_down()
 
     def count_cancelled(self, scope: Scope, **details: object) -> None:
         self.cancelled += 1
@@ -150,16 +214,20 @@ class _Server:
         request_id = responder.response_id
         final: RequestOutput | None = None
         try:
-            async with (
-                engine_request(self.engine, request_id),
-                aclosing(self.engine.generate(generation.prompt, params, request_id)) as outputs,
-            ):
-                async for output in outputs:
-                    final = output
+            with self._tracked(request_id):
+                async with (
+                    engine_request(self.engine, request_id),
+                    aclosing(
+                        self.engine.generate(generation.prompt, params, request_id)
+                    ) as outputs,
+                ):
+                    async for output in outputs:
+                        final = output
         except EngineRequestError as error:
             raise from_engine_error(error) from None
         if final is None or final.outputs[0].finish_reason == "abort":
-            raise aborted()
+            tokens = 0 if final is None else len(final.outputs[0].token_ids)
+            raise self._abort_error(request_id, tokens)
         completion = final.outputs[0]
         body = responder.whole(
             completion.text,
@@ -186,24 +254,25 @@ class _Server:
         sent = 0
         first = True
         final: RequestOutput | None = None
-        async with (
-            engine_request(self.engine, request_id),
-            aclosing(self.engine.generate(generation.prompt, params, request_id)) as outputs,
-        ):
-            try:
-                async for final in outputs:
-                    completion = final.outputs[0]
-                    if completion.finish_reason == "abort":
-                        raise aborted()
-                    delta, sent = completion.text[sent:], len(completion.text)
-                    yield responder.chunks(delta, completion.finish_reason, first=first)
-                    first = False
-            except Exception as exc:
-                error = as_openai_error(exc)
-                if first:
-                    raise error from None  # before the headers: an HTTP error status
-                yield sse(error.body())  # after them: an error event, as OpenAI sends
-                return
+        with self._tracked(request_id):
+            async with (
+                engine_request(self.engine, request_id),
+                aclosing(self.engine.generate(generation.prompt, params, request_id)) as outputs,
+            ):
+                try:
+                    async for final in outputs:
+                        completion = final.outputs[0]
+                        if completion.finish_reason == "abort":
+                            raise self._abort_error(request_id, len(completion.token_ids))
+                        delta, sent = completion.text[sent:], len(completion.text)
+                        yield responder.chunks(delta, completion.finish_reason, first=first)
+                        first = False
+                except Exception as exc:
+                    error = as_openai_error(exc)
+                    if first:
+                        raise error from None  # before the headers: an HTTP error status
+                    yield sse(error.body())  # after them: an error event, as OpenAI sends
+                    return
         if generation.include_usage and final is not None:
             tokens = len(final.outputs[0].token_ids)
             yield responder.usage_chunk(len(final.prompt_token_ids), tokens)

@@ -89,6 +89,16 @@ def aborted() -> OpenAIError:
     return OpenAIError(503, "The engine aborted the request.", type="server_error")
 
 
+def shutting_down() -> OpenAIError:
+    # The server was asked to stop (Ctrl-C, SIGTERM) while the request was generating.
+    return OpenAIError(
+        503,
+        "The server is shutting down; the request was not completed.",
+        type="server_error",
+        code="server_shutting_down",
+    )
+
+
 def as_openai_error(exc: Exception) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc

@@ -10,11 +10,12 @@ import logging
 import signal
 import socket
 import sys
+from types import FrameType
 from typing import Any, cast
 
 from starlette.types import ASGIApp
 
-from .app import create_app
+from .app import Shutdown, create_app
 from .engine import Engine
 from .sim_engine import SimulatedEngine
 
@@ -109,7 +110,10 @@ def main(args: argparse.Namespace) -> int:
         engine, model_name = build_engine(args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    app = create_app(engine, model_name=model_name, cancel_on_disconnect=args.middleware)
+    shutdown = Shutdown()
+    app = create_app(
+        engine, model_name=model_name, cancel_on_disconnect=args.middleware, shutdown=shutdown
+    )
     logging.getLogger("example_app").info(
         "serving %r (%s engine) on http://%s:%d with %s, CancelOnDisconnectMiddleware %s",
         model_name,
@@ -121,9 +125,11 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         if args.server == "uvicorn":
-            run_uvicorn(app, args.host, args.port, args.log_level)
+            run_uvicorn(app, args.host, args.port, args.log_level, shutdown)
         else:
-            asyncio.run(run_hypercorn(app, args.host, args.port))
+            asyncio.run(run_hypercorn(app, args.host, args.port, shutdown))
+    except KeyboardInterrupt:  # uvicorn raises the captured SIGINT again once it has stopped
+        return 130
     except OSError as error:  # the port was taken between the check and the bind
         if error.errno != errno.EADDRINUSE:
             raise
@@ -132,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-async def run_hypercorn(app: ASGIApp, host: str, port: int) -> None:
+async def run_hypercorn(app: ASGIApp, host: str, port: int, shutdown: Shutdown) -> None:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
@@ -143,13 +149,23 @@ async def run_hypercorn(app: ASGIApp, host: str, port: int) -> None:
     config.startup_timeout = 600.0  # a vLLM engine can take a minute or more to start
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def stopping() -> None:
+        shutdown.begin()  # streams in flight end with an error event, not a cut
+        stop.set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, stopping)
     await serve(cast(Any, app), config, shutdown_trigger=stop.wait, mode="asgi")
 
 
-def run_uvicorn(app: ASGIApp, host: str, port: int, log_level: str) -> None:
+def run_uvicorn(app: ASGIApp, host: str, port: int, log_level: str, shutdown: Shutdown) -> None:
     import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            shutdown.begin()  # streams in flight end with an error event, not a cut
+            super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
         app,
@@ -160,4 +176,4 @@ def run_uvicorn(app: ASGIApp, host: str, port: int, log_level: str) -> None:
         access_log=False,
         timeout_graceful_shutdown=2,
     )
-    uvicorn.Server(config).run()
+    Server(config).run()
