@@ -9,6 +9,9 @@ import matplotlib
 matplotlib.use("Agg")  # no display needed
 
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from .load import Load, Run
 
@@ -16,13 +19,19 @@ COLORS = ("#2a9d8f", "#e76f51")  # with, without
 
 
 def write_chart(path: Path, load: Load, runs: list[Run]) -> None:
-    from .demo import summarize
+    figure = build_figure(load, runs)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def build_figure(load: Load, runs: list[Run]) -> Figure:
+    from .demo import planned_leavers, summarize
 
     summaries = [summarize(run) for run in runs]
     labels = [run.label for run in runs]
     figure, axes = plt.subplots(2, 2, figsize=(11, 7.5), layout="constrained")
     figure.suptitle(
-        f"asgi-cancel demo: {load.clients} clients, {summaries[0].left} leave early "
+        f"asgi-cancel demo: {load.clients} clients, {planned_leavers(load)} try to leave early "
         f"({load.max_tokens} tokens per request)"
     )
 
@@ -43,7 +52,7 @@ def write_chart(path: Path, load: Load, runs: list[Run]) -> None:
     latency.set_xticks([0, 1], ["p50", "p99"])
     latency.set_title("latency of the clients that stayed")
     latency.set_ylabel("seconds")
-    latency.legend()
+    latency.legend(loc="upper left")
 
     throughput = axes[1][0]
     bars = throughput.bar(labels, [s.throughput for s in summaries], color=COLORS)
@@ -59,7 +68,17 @@ def write_chart(path: Path, load: Load, runs: list[Run]) -> None:
     timeline.set_title("engine: running (solid) and waiting (dotted) requests")
     timeline.set_xlabel("seconds since the first client")
     timeline.set_ylabel("requests")
+    timeline.set_ylim(bottom=0)
     timeline.legend()
 
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    _headroom(wasted)
+    _headroom(latency, room=1.4)  # and the legend, above the bars
+    _headroom(throughput)
+    return figure
+
+
+def _headroom(axes: Axes, room: float = 1.18) -> None:
+    """Room above the tallest bar for its value label, inside the frame."""
+    heights = [patch.get_height() for patch in axes.patches if isinstance(patch, Rectangle)]
+    tallest = max(heights, default=0.0)
+    axes.set_ylim(0, tallest * room if tallest > 0 else 1.0)

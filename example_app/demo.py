@@ -89,7 +89,7 @@ def run_server(load: Load, engine: Engine, server: str, *, middleware: bool) -> 
         serve_args.append("--no-middleware")
     from .launch import ServerProcess  # httpx: not needed by `serve`
 
-    progress = Progress(label)
+    progress = Progress(label, leaving=planned_leavers(load))
     with ServerProcess(*serve_args, server=server) as process:
         progress(0, load.clients)
         try:
@@ -104,8 +104,9 @@ def run_server(load: Load, engine: Engine, server: str, *, middleware: bool) -> 
 class Progress:
     """A one-line text progress bar on stderr (a line per phase when stderr is not a TTY)."""
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, leaving: int = 0) -> None:
         self.label = label
+        self.leaving = leaving
         self.tty = sys.stderr.isatty()
         self.done = self.total = 0
 
@@ -114,9 +115,12 @@ class Progress:
         if self.tty:
             filled = round(24 * done / max(total, 1))
             bar = "#" * filled + "." * (24 - filled)
-            sys.stderr.write(f"\r{self.label:>17} [{bar}] {done}/{total} clients")
+            counts = f"{done}/{total} clients, {self.leaving} try to leave early"
+            sys.stderr.write(f"\r{self.label:>17} [{bar}] {counts}")
         elif done == 0:
-            sys.stderr.write(f"{self.label}: {total} clients ...\n")
+            sys.stderr.write(
+                f"{self.label}: {total} clients, {self.leaving} try to leave early ...\n"
+            )
         sys.stderr.flush()
 
     def finish(self, idle_after: float) -> None:
@@ -169,9 +173,14 @@ def percentile(ordered: list[float], fraction: float) -> float:
     return ordered[min(rank, len(ordered)) - 1]
 
 
+def planned_leavers(load: Load) -> int:
+    """Clients that try to leave early (a few finish before their timeout)."""
+    return sum(client.leave is not None for client in plan(load))
+
+
 def format_table(load: Load, engine: Engine, server: str, runs: list[Run]) -> str:
     summaries = [summarize(run) for run in runs]
-    planned = sum(client.leave is not None for client in plan(load))
+    planned = planned_leavers(load)
     rows = [
         ("tokens wasted on departed clients", [f"{s.wasted:,.0f}" for s in summaries]),
         (

@@ -129,11 +129,14 @@ async def run_load(
             await asyncio.wait_for(clients, WATCHDOG)
             # Without the middleware, abandoned generations are still running: let them finish,
             # so that their waste is counted in full.
-            await asyncio.wait_for(_wait_idle(http), WATCHDOG)
+            idle = await asyncio.wait_for(_wait_idle(http), WATCHDOG)
             run.idle_after = time.monotonic() - origin
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
+        # The timeline ends with the idle engine, whenever the sampler last looked.
+        wasted = idle["example_engine_tokens_wasted_total"]
+        run.timeline.append(Sample(run.idle_after, 0.0, 0.0, wasted))
         run.wall = max(result.finished_at for result in run.results)
         final = metrics.parse((await http.get("/metrics")).text)
         run.final = {
@@ -160,12 +163,12 @@ async def _warm_up(client: openai.AsyncOpenAI, model: str) -> None:
             pass
 
 
-async def _wait_idle(http: httpx.AsyncClient) -> None:
+async def _wait_idle(http: httpx.AsyncClient) -> dict[str, float]:
     while True:
         sample = metrics.parse((await http.get("/metrics")).text)
         busy = sample["example_engine_requests_running"] + sample["example_engine_requests_waiting"]
         if not busy:
-            return
+            return sample
         await asyncio.sleep(0.05)
 
 

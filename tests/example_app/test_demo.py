@@ -46,6 +46,10 @@ def test_quick_demo_prints_its_table_and_writes_its_chart(tmp_path: Path) -> Non
     assert chart.stat().st_size > 10_000
     assert chart.with_suffix(".txt").read_text().strip() == table.split("\nchart:")[0].strip()
     assert "without: 16/16 clients" in result.stderr  # the progress report
+    # One wording for who leaves: the progress output and the table's header agree.
+    leaving = re.search(r"(\d+) try to leave early", table)
+    assert leaving is not None, table
+    assert f"16 clients, {leaving.group(1)} try to leave early" in result.stderr
     # The idle time is counted from the first client (the chart's axis), so it is shorter than
     # the quick load's watchdog and excludes server start and stop: well under the whole run.
     idle = re.findall(r"engine idle after ([\d.]+) s", result.stderr)
