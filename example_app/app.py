@@ -103,7 +103,7 @@ def create_app(
     )
     if not cancel_on_disconnect:
         return DepartureRecorder(app)
-    return CancelOnDisconnectMiddleware(app, on_cancelled=server.count_cancelled)
+    return CancelOnDisconnectMiddleware(app, on_cancelled=server.exposition.on_cancelled)
 
 
 class _Server:
@@ -111,7 +111,7 @@ class _Server:
         self.engine = engine
         self.model_name = model_name
         self.cancel_on_disconnect = cancel_on_disconnect
-        self.cancelled = 0
+        self.exposition = metrics.Metrics(engine, middleware=cancel_on_disconnect)
         self.started = int(time.time())
         self.in_flight: set[str] = set()
         self.shutting_down = False
@@ -144,9 +144,6 @@ class _Server:
             tokens,
         )
         return shutting_down()
-
-    def count_cancelled(self, scope: Scope, **details: object) -> None:
-        self.cancelled += 1
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
@@ -182,13 +179,7 @@ class _Server:
         )
 
     async def metrics(self, request: Request) -> Response:
-        text = metrics.render(
-            self.engine.stats(),
-            engine=self.engine.name,
-            middleware=self.cancel_on_disconnect,
-            cancelled=self.cancelled,
-        )
-        return Response(text, media_type=metrics.CONTENT_TYPE)
+        return Response(self.exposition.render(), media_type=metrics.CONTENT_TYPE)
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
         generation = parse_request(

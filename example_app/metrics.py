@@ -1,10 +1,26 @@
-"""`/metrics` in the Prometheus text exposition format (hand-written: no client library needed)."""
+"""`/metrics` through `prometheus_client`, with the package's `CancelMetrics` hook.
+
+Each app has its own registry (tests build several apps in one process): the engine's counters
+and gauges, read from `Engine.stats()` at each scrape; `example_info{engine,middleware}`;
+`example_http_requests_cancelled_total`; and, with the middleware, `asgi_cancel.prometheus`'s
+`asgi_cancel_cancelled_requests_total` and `asgi_cancel_cancel_cleanup_seconds` by method,
+route template, reason and phase.
+"""
 
 from __future__ import annotations
 
-from .engine import EngineStats
+from collections.abc import Callable, Iterator
+from typing import Any
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from asgi_cancel.prometheus import CancelMetrics
+
+from .engine import Engine
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # (name, type, help, EngineStats field)
 _ENGINE_METRICS = (
@@ -30,27 +46,50 @@ _ENGINE_METRICS = (
 )
 
 
-def render(stats: EngineStats, *, engine: str, middleware: bool, cancelled: int) -> str:
-    """The exposition text for one scrape."""
-    lines = [
-        "# HELP example_info The example server's configuration.",
-        "# TYPE example_info gauge",
-        f'example_info{{engine="{engine}",middleware="{"on" if middleware else "off"}"}} 1',
-    ]
-    for name, kind, help_text, field in _ENGINE_METRICS:
-        full = f"example_engine_{name}"
-        lines += [
-            f"# HELP {full} {help_text}",
-            f"# TYPE {full} {kind}",
-            f"{full} {getattr(stats, field)}",
-        ]
-    lines += [
-        "# HELP example_http_requests_cancelled_total Requests CancelOnDisconnectMiddleware "
-        "cancelled because the client disconnected.",
-        "# TYPE example_http_requests_cancelled_total counter",
-        f"example_http_requests_cancelled_total {cancelled}",
-    ]
-    return "\n".join(lines) + "\n"
+class _EngineCollector(Collector):
+    """The engine's own counters, read at scrape time (the engine keeps them, not us)."""
+
+    def __init__(self, engine: Engine, middleware: bool) -> None:
+        self.engine = engine
+        self.middleware = "on" if middleware else "off"
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "example_info", "The example server's configuration.", labels=["engine", "middleware"]
+        )
+        info.add_metric([self.engine.name, self.middleware], 1)
+        yield info
+        stats = self.engine.stats()
+        for name, kind, help_text, field in _ENGINE_METRICS:
+            value = getattr(stats, field)
+            if kind == "counter":
+                yield CounterMetricFamily(f"example_engine_{name}", help_text, value=value)
+            else:
+                yield GaugeMetricFamily(f"example_engine_{name}", help_text, value=value)
+
+
+class Metrics:
+    """The app's registry, and the middleware's `on_cancelled` hook that feeds it."""
+
+    def __init__(self, engine: Engine, *, middleware: bool) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, middleware))
+        self.cancelled = Counter(
+            "example_http_requests_cancelled",
+            "Requests CancelOnDisconnectMiddleware cancelled because the client disconnected.",
+            registry=self.registry,
+        )
+        # The package's hook (`asgi-cancel[prometheus]`): by method, route, reason and phase.
+        self.cancel_metrics = CancelMetrics(registry=self.registry) if middleware else None
+
+    def on_cancelled(self, scope: Any, **details: Any) -> Callable[[], None] | None:
+        self.cancelled.inc()
+        if self.cancel_metrics is None:
+            return None
+        return self.cancel_metrics(scope, **details)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 def parse(text: str) -> dict[str, float]:
