@@ -304,7 +304,9 @@ def shield() -> Iterator[CancelToken | None]:
     Use it around a critical section that must not be interrupted half-way (a database
     commit, a billing record). The token still reports the disconnect at once (`cancelled`
     becomes True and callbacks run); only the app task's cancellation waits, and is delivered
-    when the outermost `shield()` block exits. Outside a request it does nothing.
+    when the outermost `shield()` block exits. Outside a request it does nothing. On trio the
+    block is also a shielded cancel scope, so it defers every cancellation, as trio's own
+    shields do; on asyncio an outside cancellation (server shutdown) still goes through.
 
     Yields:
         The request's token, or None outside a request.
@@ -315,7 +317,16 @@ def shield() -> Iterator[CancelToken | None]:
         return
     token._shield_depth += 1
     try:
-        yield token
+        if asyncio.events._get_running_loop() is not None:
+            yield token
+        else:
+            # Trio: a cancel scope, once cancelled, cancels every later checkpoint in it (a
+            # cancellation issued while the app waited for a worker thread would land inside
+            # this block): a shielded scope defers it to the block's end, trio's own way.
+            import trio
+
+            with trio.CancelScope(shield=True):
+                yield token
     finally:
         token._shield_depth -= 1
         if not token._shield_depth and token._deferred:

@@ -10,6 +10,7 @@ that is why `shield` exists.
 
 from __future__ import annotations
 
+import gc
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,7 +29,12 @@ from asgi_cancel.testing import ClientConnection, http_scope
 
 from .servers.events import Receive, Scope, Send
 
-pytestmark = pytest.mark.anyio
+pytestmark = [
+    pytest.mark.anyio,
+    # aiosqlite cancelled in the middle of connect() leaves its connection to the garbage
+    # collector, and Python 3.13 warns about an unclosed database: not what is tested here.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 WATCHDOG = 10.0
 ORDER_ID = 1
@@ -156,6 +162,9 @@ async def place_order(
         await conn.run(app, http_scope("POST"))  # returns normally: own cancellation absorbed
     # aiosqlite's thread may still run a statement whose await was cancelled: let it land.
     await anyio.sleep(0.05)
+    # A connection aiosqlite abandoned mid-connect is collected here, inside this test (whose
+    # marks ignore its warning), not in whichever later test the garbage collector runs in.
+    gc.collect()
     return stored(path), injector
 
 
