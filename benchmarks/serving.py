@@ -542,7 +542,10 @@ def run(
                 results["targets"][target] = {"skipped": reason}
                 emit(f"[vllm] skipped: {reason}")
                 continue
-            ensure_model()
+            if target == "vllm" or have_vllm() or AIPERF.exists():
+                # The tools' tokenizer; without vLLM and AIPerf only the departure client
+                # runs, and it needs none.
+                ensure_model(AIPERF_VENV / "bin" / "python")
             wait = float(os.environ.get("BENCH_LOAD_WAIT", "900"))
             load_state = (
                 {"first": loadavg(), "waited_s": 0.0} if quick else wait_for_quiet(timeout=wait)

@@ -56,10 +56,27 @@ def have_vllm() -> bool:
     return probe.returncode == 0
 
 
-def ensure_model() -> Path:
-    """Build the tiny local model (no downloads) unless it is there; return its folder."""
+def ensure_model(*pythons: Path) -> Path:
+    """Build the tiny local model (no downloads) unless it is there; return its folder.
+
+    Built with the first interpreter that has `tokenizers` (vLLM's venv, AIPerf's, or this
+    one): the dev venv has neither it nor transformers."""
     if not (MODEL_DIR / "config.json").exists():
-        python = VLLM_PYTHON if VLLM_PYTHON.exists() else Path(sys.executable)
+        candidates = [VLLM_PYTHON, *pythons, Path(sys.executable)]
+        python = next(
+            (
+                candidate
+                for candidate in candidates
+                if candidate.exists()
+                and subprocess.run(
+                    [str(candidate), "-c", "import tokenizers, transformers"],
+                    capture_output=True,
+                    timeout=120,
+                ).returncode
+                == 0
+            ),
+            Path(sys.executable),
+        )
         subprocess.run(
             [str(python), "-m", "example_app.tiny_model", str(MODEL_DIR)],
             cwd=ROOT,

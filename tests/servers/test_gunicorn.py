@@ -51,7 +51,8 @@ def assert_cancelled_by_gunicorn(server: Server, rid: str, *, closed_at: float) 
     cancelled = server.events.wait_for(rid, "cancelled", timeout=grace + WATCHDOG)
     exit_event = server.events.wait_for(rid, "exit", timeout=WATCHDOG)
     latency = cancelled["t"] - closed_at
-    assert grace <= latency < grace + SELF_CANCEL_SLACK, latency
+    # asyncio timers may fire up to the clock resolution early: 50 ms of slack below.
+    assert grace - 0.05 <= latency < grace + SELF_CANCEL_SLACK, latency
     assert cancelled["exc"] == "CancelledError"
     # Not the middleware's cancellation: it reached the server as it came.
     assert exit_event["outcome"] == "CancelledError"
