@@ -46,6 +46,8 @@ def test_soak_half_the_clients_leaving(server: Server, h2: bool) -> None:
     assert sum(result.departures.values()) > result.requests // 4
     assert result.before is not None
     assert result.after is not None
-    assert result.after.tasks <= result.before.tasks, "tasks left behind"
+    # The middleware's and the app's tasks: the server's own connection tasks are not
+    # asserted (hypercorn keeps those of reset connections a long time, with or without us).
+    assert result.after.ours <= result.before.ours, "tasks left behind"
     assert result.after.rss_kib - result.before.rss_kib < RSS_GROWTH_KIB
     server.assert_no_traceback()
