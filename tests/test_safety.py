@@ -360,6 +360,7 @@ async def test_asyncio_timeout_around_the_app_is_raised_promptly() -> None:
     assert events == ["app ended"]
 
 
+@needs_cancelling
 def test_testclient_closing_an_unfinished_stream_cancels_the_app() -> None:
     """The issue's eleven lines: Starlette's TestClient closing a stream early."""
     events: list[str] = []
@@ -369,6 +370,7 @@ def test_testclient_closing_an_unfinished_stream_cancels_the_app() -> None:
     assert events == ["app ended"]
 
 
+@needs_cancelling
 def test_testclient_closing_the_client_cancels_an_unclosed_response() -> None:
     """Starlette's own test_closing_client_cancels_unclosed_response, with the app wrapped."""
     events: list[str] = []
