@@ -65,6 +65,13 @@ def tiny_model() -> Path:
     return build_tiny_model(MODEL_DIR)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
     """Poll `predicate` every 2 ms; return the seconds it took, fail after `timeout`."""
     start = time.monotonic()

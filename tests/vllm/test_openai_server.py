@@ -13,22 +13,24 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from example_app.launch import Subprocess, answers
-
 from ._harness import (
     LEAVES_ENGINE_WITHIN,
     RawClient,
     body_of,
+    free_port,
     import_vllm,
     status_of,
     tiny_model,
@@ -44,34 +46,16 @@ MAX_NUM_SEQS = 4
 MEASURED: dict[str, Any] = {}
 
 
-class OpenAIServer(Subprocess):
-    """vLLM's OpenAI server with the middleware, ready once `/health` answers."""
-
-    def __init__(self, log: Path) -> None:
-        super().__init__(
-            self.command,
-            ready=answers("/health"),
-            log=log,
-            ready_timeout=300.0,
-            poll=0.5,
-            stop_timeout=60.0,
-        )
-
-    @staticmethod
-    def command(port: int) -> list[str]:
-        return [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(tiny_model()), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-            "--enforce-eager", "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", "0",
-            "--enable-log-requests", "--enable-server-load-tracking",
-            "--disable-uvicorn-access-log",
-            "--middleware", "asgi_cancel.CancelOnDisconnectMiddleware",
-        ]  # fmt: skip
+@dataclass
+class OpenAIServer:
+    port: int
+    log: Path
+    process: subprocess.Popen[bytes]
+    startup_seconds: float
 
     @property
     def url(self) -> str:
-        return self.base_url
+        return f"http://127.0.0.1:{self.port}"
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, summed over labels."""
@@ -92,14 +76,71 @@ class OpenAIServer(Subprocess):
         value: int = httpx.get(f"{self.url}/load", timeout=10).json()["server_load"]
         return value
 
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAIServer]:
-    tiny_model()  # built before the clock starts
-    instance = OpenAIServer(tmp_path_factory.mktemp("vllm-server") / "server.log")
-    with instance:
+    model = tiny_model()
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--seed",
+        "0",
+        "--enable-log-requests",
+        "--enable-server-load-tracking",
+        "--disable-uvicorn-access-log",
+        "--middleware",
+        "asgi_cancel.CancelOnDisconnectMiddleware",
+    ]
+    started = time.monotonic()
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, env=os.environ.copy()
+        )
+    instance = OpenAIServer(port, log, process, 0.0)
+    try:
+        deadline = started + 300
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"vLLM server exited:\n{instance.log_text()[-5000:]}")
+            try:
+                if httpx.get(f"{instance.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vLLM server not up in 300 s:\n{instance.log_text()[-5000:]}")
+            time.sleep(0.5)
+        instance.startup_seconds = time.monotonic() - started
         MEASURED["server_startup_s"] = round(instance.startup_seconds, 1)
         yield instance
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
     report = os.environ.get("ASGI_CANCEL_VLLM_REPORT")
     if report:
         path = Path(report)
