@@ -28,6 +28,7 @@ _CoroutineType = types.CoroutineType
 _CLOSED: frozenset[asyncio.Task[object]] = frozenset()
 _GRACE_HOPS = 3
 _FINISHED = State.FINISHED
+_RESPONSE_COMPLETE = State.RESPONSE_COMPLETE
 _NO_CONTEXT = contextvars.Context()
 
 
@@ -295,6 +296,8 @@ class AsyncioLoop:
             return
         if hops:
             self.task.get_loop().call_soon(self._grace_over, hops - 1)
+        elif cycle.state is _RESPONSE_COMPLETE:
+            cycle.final_send_hung()
         elif reacting(self.task, cycle.token):
             # The app reacted by cancelling its own work (Django, Quart, Starlette's stream
             # listener): that cleanup is the app's, however long it takes. No second cancel.

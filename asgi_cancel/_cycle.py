@@ -95,6 +95,7 @@ class Cycle:
         "real_receive",
         "real_send",
         "scope",
+        "sending",
         "started_at",
         "state",
         "status",
@@ -111,6 +112,9 @@ class Cycle:
     disconnect: Message | None
     first_sent: Message | None
     last_sent: Message | None
+    # What the server's send() returned for the last message: set with `last_sent` (read only
+    # once that says the response is complete).
+    sending: Awaitable[None]
     loop: Loop | None
     body_complete: bool
     reading: bool
@@ -180,7 +184,8 @@ class Cycle:
         if self.first_sent is None:
             self.first_sent = message
         self.last_sent = message
-        return self.real_send(message)
+        sending = self.sending = self.real_send(message)
+        return sending
 
     def wake(self) -> None:
         if self.loop is not None:
@@ -278,10 +283,22 @@ class Cycle:
         if self.state is _READING_BODY or self.state is _WATCHING:
             if self._response_complete():
                 self.state = _RESPONSE_COMPLETE
+                if _in_flight(self.sending):
+                    self.attached().start_grace()  # then `final_send_hung()`
             else:
                 requested = self._cancel(REASON)
         self.wake()
         return requested
+
+    def final_send_hung(self) -> None:
+        """`grace` after a disconnect that found the response complete: if the server's send of
+        the final message has still not returned, it never will (hypercorn over HTTP/2 once the
+        connection closed: the stream's buffer is never drained), and the app task would wait
+        in it forever. The response did not reach the client: the request is cancelled."""
+        if self.state is _RESPONSE_COMPLETE and _in_flight(self.sending):
+            self.state = _CANCELLED
+            self._fire(self.attached(), REASON)
+            self.token.cancel_app()
 
     def stop(self, reason: str, status: int) -> bool:
         """Cancel the request for `reason` while its client is still connected (cancelled by
@@ -331,6 +348,12 @@ class Cycle:
             self.response_started,
             self.options.on_cancelled,
         )
+
+
+def _in_flight(sending: object) -> bool:
+    """Whether a coroutine the server's send() returned is suspended in an await (started, not
+    done). Other awaitables cannot be told: False."""
+    return getattr(sending, "cr_await", None) is not None
 
 
 REQUEST_OVER: Message = {"type": "http.disconnect"}

@@ -147,7 +147,9 @@ class TrioLoop:
     async def _wait_grace(self) -> None:
         with self.grace_scope:
             await trio.sleep_forever()
-        if self.cycle.state is not _FINISHED:
+        if self.cycle.state is State.RESPONSE_COMPLETE:
+            self.cycle.final_send_hung()
+        elif self.cycle.state is not _FINISHED:
             self.cycle.token.cancel_app()
 
     def spawn(self, awaitable: Awaitable[object], /) -> None:

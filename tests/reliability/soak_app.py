@@ -78,10 +78,30 @@ async def soak(scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, b"thread done")
     elif path == "/stats":
         tasks = asyncio.all_tasks()
-        stats = {"tasks": len(tasks), "ours": sum(map(runs_our_code, tasks)), "rss_kib": rss_kib()}
+        ours = [task for task in tasks if runs_our_code(task)]
+        stats: dict[str, object] = {"tasks": len(tasks), "ours": len(ours), "rss_kib": rss_kib()}
+        if "stacks" in query:  # where each of our tasks waits: the soak's finding, shown
+            stats["stacks"] = [await_chain(task) for task in ours]
         await respond(send, json.dumps(stats).encode())
     else:
         await respond(send, b"hello")
+
+
+def await_chain(task: asyncio.Task[object]) -> list[str]:
+    """The task's await chain, outermost first: `function file:line` per frame."""
+    chain = []
+    awaitable: object = task.get_coro()
+    while awaitable is not None:
+        code = getattr(awaitable, "cr_code", None) or getattr(awaitable, "gi_code", None)
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
+        if code is None:
+            chain.append(repr(awaitable)[:200])
+            break
+        line = frame.f_lineno if frame is not None else "-"
+        name = getattr(code, "co_qualname", code.co_name)
+        chain.append(f"{name} {code.co_filename.rsplit('/', 2)[-1]}:{line}")
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
+    return chain
 
 
 def runs_our_code(task: asyncio.Task[object]) -> bool:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 import pytest
 
 from .checks import WATCHDOG, assert_cancelled, assert_not_cancelled
@@ -41,10 +42,14 @@ def server(
 class H2Client:
     """Just enough of an h2c client: requests, resets, and reading one stream to its end."""
 
-    def __init__(self, sock: socket.socket, port: int) -> None:
+    def __init__(self, sock: socket.socket, port: int, *, window: int | None = None) -> None:
         self.sock = sock
         self.authority = f"{HOST}:{port}"
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        if window is not None:  # the server may send this many body bytes per stream
+            self.conn.local_settings = h2.settings.Settings(
+                client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window}
+            )
         self.conn.initiate_connection()
         self.flush()
         self.status: dict[int, int] = {}
@@ -75,7 +80,10 @@ class H2Client:
         return reset_at
 
     def read_until_ended(self, stream_id: int) -> None:
-        while stream_id not in self.ended:
+        self.read_until(lambda: stream_id in self.ended)
+
+    def read_until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
             data = self.sock.recv(65536)
             if not data:
                 raise ConnectionError("server closed the connection")
@@ -146,3 +154,36 @@ def test_h2_connection_close_cancels_every_stream(server: Server, latencies: Lat
             scenario=f"h2-{scenario}",
             close="conn-fin",
         )
+
+
+def test_h2_connection_close_during_the_final_send(server: Server, latencies: Latencies) -> None:
+    """The client grants no flow-control window, so the final body waits in the server's
+    buffer; then it closes the connection. hypercorn never returns that send (its sender task
+    stops with the connection, the buffer is never drained): without the middleware the app
+    task waits in it forever (the soak found ~30 such tasks per 200 h2c requests). The
+    middleware sees the send still in flight `grace` after the disconnect and cancels the app:
+    the response never reached the client."""
+    rid = new_id()
+    with connect(server.port) as sock:
+        client = H2Client(sock, server.port, window=0)
+        client.get(f"/bg?id={rid}&work=0.1")
+        server.events.wait_for(rid, "start", timeout=WATCHDOG)
+        client.read_until(lambda: bool(client.status))  # the headers are out, the body is not
+        time.sleep(0.05)  # the app is in its final send
+        closed_at = close(sock, FIN)
+    if server.spec is GUNICORN_H2:
+        # Its send raises ClientDisconnected, which the app meets and the server handles.
+        exit_event = server.events.wait_for(rid, "exit", timeout=WATCHDOG)
+        assert exit_event["outcome"] == "ClientDisconnected"
+        assert not server.events.of(rid, "hook")
+        assert not server.events.of(rid, "bg_done")
+        return
+    assert_cancelled(
+        server,
+        rid,
+        closed_at=closed_at,
+        response_started=True,
+        latencies=latencies,
+        scenario="h2-final-send",
+        close="conn-fin",
+    )
