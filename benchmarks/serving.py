@@ -53,6 +53,14 @@ AIPERF_VENV = Path(os.environ.get("AIPERF_VENV", ROOT / ".venv-aiperf"))
 AIPERF = AIPERF_VENV / "bin" / "aiperf"
 AIPERF_PIN = "aiperf==0.13.0"
 LOCK = ROOT / ".models" / ".vllm-ci.lock"  # the one .ci/vllm.sh takes: one engine user at a time
+# Hugging Face's offline switches, which AIPerf must not see. With either one set (to any
+# non-empty value, even "0"), AIPerf 0.13.0 loads every --tokenizer through the Hub cache
+# (`snapshot_download(name, local_files_only=True)`), which rejects a folder path:
+# "HFValidationError: Repo id must be in the form 'repo_name' or 'namespace/repo_name'".
+# .ci/vllm.sh exports both (for vLLM); a developer's shell usually has neither, hence "loads
+# here, fails in CI". Without them AIPerf loads an absolute folder path locally and asks the
+# Hub nothing (no alias lookup for a path; transformers skips its Hub probe for a local folder).
+HF_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 @dataclass
@@ -248,6 +256,17 @@ def bench_args_display(settings: Settings) -> list[str]:
 
 
 # -- tool 2: AIPerf with request cancellation --------------------------------------------------
+def aiperf_env() -> dict[str, str]:
+    """AIPerf's environment: this one without the offline switches (see HF_OFFLINE_VARS)."""
+    return {k: v for k, v in os.environ.items() if k not in HF_OFFLINE_VARS}
+
+
+def aiperf_tokenizer() -> str:
+    """The tokenizer folder for AIPerf, absolute: AIPerf runs in the scratch folder, and only a
+    path that is absolute (or an existing folder) is a local path to it, not a Hub name."""
+    return str(MODEL_DIR.resolve())
+
+
 def aiperf_ready(install: bool) -> str | None:
     """None when AIPerf runs; else why not (the exact error)."""
     if not AIPERF.exists():
@@ -270,7 +289,9 @@ def aiperf_ready(install: bool) -> str | None:
             done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
             if done.returncode != 0:
                 return f"`{' '.join(step)}` failed: {done.stderr.strip()[-1500:]}"
-    probe = subprocess.run([str(AIPERF), "--version"], capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [str(AIPERF), "--version"], capture_output=True, text=True, timeout=120, env=aiperf_env()
+    )
     if probe.returncode != 0:
         return f"`aiperf --version` failed: {(probe.stderr or probe.stdout).strip()[-1500:]}"
     return None
@@ -289,7 +310,7 @@ def aiperf_args(
         "completions",
         "--streaming",
         "--tokenizer",
-        str(MODEL_DIR),
+        aiperf_tokenizer(),
         "--use-server-token-count",
         "--isl",
         str(settings.aiperf_isl),
@@ -338,6 +359,7 @@ def one_aiperf(
         text=True,
         timeout=1200,
         cwd=out.parent,
+        env=aiperf_env(),
     )
     if completed.returncode != 0:
         raise RuntimeError(f"aiperf failed:\n{(completed.stdout + completed.stderr)[-4000:]}")

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks import serving
 from benchmarks.serving import AIPERF
-from benchmarks.serving_servers import have_vllm
+from benchmarks.serving_servers import MODEL_DIR, Target, have_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,3 +89,69 @@ def test_serving_quick_on_the_simulated_engine(tmp_path: Path) -> None:
         assert number(run["short_ttft_s"]) > 0
     assert "a short request behind cancelled ones" in completed.stdout
     assert (tmp_path / "benchmarks-serving.png").read_bytes().startswith(b"\x89PNG")
+
+
+# A tokenizer folder like the tiny model's (tokenizer.json, tokenizer_config.json), built with
+# AIPerf's own venv, then loaded the way AIPerf loads --tokenizer.
+LOAD_TOKENIZER = """
+import sys
+import tokenizers
+import transformers
+
+folder = sys.argv[1]
+bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+trainer = tokenizers.trainers.BpeTrainer(
+    vocab_size=300,
+    special_tokens=["<s>", "</s>", "<pad>"],
+    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+)
+bpe.train_from_iterator(["the client went away, so the server stopped"] * 5, trainer=trainer)
+transformers.PreTrainedTokenizerFast(
+    tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+).save_pretrained(folder)
+
+from aiperf.common.tokenizer import Tokenizer
+
+print(len(Tokenizer.from_pretrained(folder)("the server")["input_ids"]))
+"""
+
+
+def test_aiperf_gets_an_absolute_tokenizer_folder_and_no_offline_switches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # .ci/vllm.sh exports both; with either one AIPerf 0.13.0 cannot load a folder path.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    env = serving.aiperf_env()
+    assert "HF_HUB_OFFLINE" not in env
+    assert "TRANSFORMERS_OFFLINE" not in env
+    assert env["TOKENIZERS_PARALLELISM"] == "false"  # the rest passes through
+    server = Target("vllm", "with", Path("-"), port=8000)
+    args = serving.aiperf_args(server, serving.QUICK, 50, 0.0, Path("out"))
+    tokenizer = Path(args[args.index("--tokenizer") + 1])
+    assert tokenizer.is_absolute()
+    assert tokenizer == MODEL_DIR.resolve()
+    assert args[args.index("--model") + 1] == "tiny-llama"  # the served name, not the folder
+
+
+@pytest.mark.skipif(not AIPERF.exists(), reason=f"no AIPerf venv at {AIPERF.parent.parent}")
+@pytest.mark.timeout(180)
+def test_aiperf_loads_a_tokenizer_folder_in_a_ci_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    folder = tmp_path / "tokenizer"
+    completed = subprocess.run(
+        [str(AIPERF.parent / "python"), "-c", LOAD_TOKENIZER, str(folder)],
+        cwd=tmp_path,
+        env=serving.aiperf_env(),
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert int(completed.stdout.split()[-1]) > 0
