@@ -1,4 +1,4 @@
-"""`python -m example_app serve|demo`."""
+"""`python -m example_app serve|gateway|demo`."""
 
 from __future__ import annotations
 
@@ -12,13 +12,20 @@ def main(argv: list[str] | None = None) -> int:
         description="An OpenAI-compatible server behind CancelOnDisconnectMiddleware.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    from . import demo, serve
+    from . import demo, gateway_cli, serve
 
     serve.add_arguments(
         commands.add_parser(
             "serve",
             help="run the server",
             description="Run the OpenAI-compatible example server (Ctrl-C to stop).",
+        )
+    )
+    gateway_cli.add_arguments(
+        commands.add_parser(
+            "gateway",
+            help="run an OpenAI-compatible gateway in front of N engine servers",
+            description=gateway_cli.__doc__,
         )
     )
     demo.add_arguments(
@@ -31,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve.main(args)
+    if args.command == "gateway":
+        return gateway_cli.main(args)
     return demo.main(args)
 
 

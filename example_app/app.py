@@ -18,10 +18,16 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from asgi_cancel import CancelOnDisconnectMiddleware
+from asgi_cancel import (
+    CancelOnDisconnectMiddleware,
+    CancelRegistry,
+    cancel_endpoint,
+    require_header,
+)
+from asgi_cancel.types import Scope as CancelScope
 
 from . import metrics
 from .departures import DepartureRecorder, engine_request
@@ -38,6 +44,8 @@ from .openai_request import GenerationRequest, Kind, parse_json_body, parse_requ
 from .openai_response import DONE, Responder, sse
 
 MAX_BODY = 1024 * 1024
+CANCEL_PATH = "/v1/requests"  # POST /v1/requests/{id}/cancel, DELETE /v1/requests/{id}
+CANCEL_SECRET_HEADER = "x-cancel-secret"
 logger = logging.getLogger("example_app")
 
 
@@ -67,6 +75,8 @@ def create_app(
     model_name: str,
     cancel_on_disconnect: bool = True,
     shutdown: Shutdown | None = None,
+    cancel_by_id: bool = False,
+    cancel_secret: str | None = None,
 ) -> ASGIApp:
     """The ASGI app: OpenAI routes over `engine`, with or without the middleware.
 
@@ -76,8 +86,20 @@ def create_app(
         cancel_on_disconnect: wrap the app in `CancelOnDisconnectMiddleware`. When False
             (the demo's baseline), a `DepartureRecorder` only notes when clients leave.
         shutdown: the server calls its `begin()` when it starts stopping.
+        cancel_by_id: give the middleware a `CancelRegistry` (request ids from `X-Request-Id`)
+            and serve `cancel_endpoint` under `/v1/requests`: `DELETE /v1/requests/{id}` stops
+            that request, whose client gets a 499. Needs `cancel_on_disconnect`.
+        cancel_secret: if set, the cancel endpoint requires `X-Cancel-Secret: <secret>`.
+
+    Raises:
+        ValueError: `cancel_by_id` without `cancel_on_disconnect`.
     """
+    if cancel_by_id and not cancel_on_disconnect:
+        raise ValueError(
+            "cancel_by_id needs cancel_on_disconnect (the registry is the middleware's)"
+        )
     server = _Server(engine, model_name, cancel_on_disconnect)
+    registry = CancelRegistry() if cancel_by_id else None
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -89,21 +111,32 @@ def create_app(
         finally:
             await engine.stop()
 
-    app = Starlette(
-        routes=[
-            Route("/v1/completions", server.completions, methods=["POST"]),
-            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-            Route("/v1/models", server.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", server.model, methods=["GET"]),
-            Route("/health", server.health, methods=["GET"]),
-            Route("/metrics", server.metrics, methods=["GET"]),
-        ],
-        exception_handlers=EXCEPTION_HANDLERS,
-        lifespan=lifespan,
-    )
+    routes: list[Route | Mount] = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+    ]
+    if registry is not None:
+        endpoint = cancel_endpoint(registry, authorize=cancel_authorizer(cancel_secret))
+        routes.append(Mount(CANCEL_PATH, endpoint))
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     if not cancel_on_disconnect:
         return DepartureRecorder(app)
-    return CancelOnDisconnectMiddleware(app, on_cancelled=server.exposition.on_cancelled)
+    return CancelOnDisconnectMiddleware(
+        app, on_cancelled=server.exposition.on_cancelled, registry=registry
+    )
+
+
+def cancel_authorizer(secret: str | None) -> Callable[[CancelScope], bool] | None:
+    """`X-Cancel-Secret: <secret>` required when a secret is set; None (anyone) otherwise.
+
+    Without a secret, serve only where nobody but the gateway and operators can connect
+    (the example binds 127.0.0.1).
+    """
+    return require_header(CANCEL_SECRET_HEADER, secret) if secret else None
 
 
 class _Server:

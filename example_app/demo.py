@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, help=f"default {DEFAULT_LOAD.max_tokens}")
     parser.add_argument("--server", choices=SERVERS, default="hypercorn")
     parser.add_argument(
+        "--gateway",
+        action="store_true",
+        help="run the load through `example_app gateway` over --backends engine servers, with "
+        "and without asgi-cancel on the gateway, and report wasted tokens per backend",
+    )
+    parser.add_argument("--backends", type=int, default=2, help="with --gateway (default: 2)")
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("asgi-cancel-demo.png"),
@@ -66,6 +73,8 @@ def main(args: argparse.Namespace) -> int:
     load = replace(load, **{name: value for name, value in overrides.items() if value is not None})
     if load.clients < 1 or not 0 <= load.leave_fraction <= 1 or load.max_tokens < 1:
         raise SystemExit("need --clients >= 1, 0 <= --leave-fraction <= 1, --max-tokens >= 1")
+    if args.gateway:
+        return main_gateway(args, load, engine)
     from .chart import write_chart  # matplotlib: fail now rather than after the runs
 
     runs = [
@@ -78,6 +87,27 @@ def main(args: argparse.Namespace) -> int:
     write_chart(out, load, runs)
     out.with_suffix(".txt").write_text(table + "\n")
     sys.stdout.write(f"{table}\nchart: {out}\n")
+    return 0
+
+
+def main_gateway(args: argparse.Namespace, load: Load, engine: Engine) -> int:
+    if args.backends < 1:
+        raise SystemExit("need --backends >= 1")
+    from .gateway_demo import run_gateway_demo
+
+    leaving = planned_leavers(load)
+    table = run_gateway_demo(
+        load,
+        engine.step_time,
+        engine.max_batch_size,
+        args.backends,
+        args.server,
+        lambda label: Progress(label, leaving=leaving),
+    )
+    out = args.out.resolve().with_suffix(".txt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    sys.stdout.write(f"{table}\ntable: {out}\n")
     return 0
 
 

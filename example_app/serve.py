@@ -55,7 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--max-batch-size", type=int, default=8, help="requests generating at once (default: 8)"
     )
+    add_cancel_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+
+
+def add_cancel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cancel-endpoint",
+        action="store_true",
+        help="serve cancel-by-id: DELETE /v1/requests/{X-Request-Id} (off by default)",
+    )
+    parser.add_argument(
+        "--cancel-secret",
+        help="require the header X-Cancel-Secret: SECRET on the cancel endpoint",
+    )
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
@@ -102,6 +115,8 @@ def check_port(host: str, port: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.cancel_endpoint and not args.middleware:
+        raise SystemExit("error: --cancel-endpoint needs the middleware (drop --no-middleware)")
     check_port(args.host, args.port)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -112,7 +127,12 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {error}") from None
     shutdown = Shutdown()
     app = create_app(
-        engine, model_name=model_name, cancel_on_disconnect=args.middleware, shutdown=shutdown
+        engine,
+        model_name=model_name,
+        cancel_on_disconnect=args.middleware,
+        shutdown=shutdown,
+        cancel_by_id=args.cancel_endpoint,
+        cancel_secret=args.cancel_secret,
     )
     logging.getLogger("example_app").info(
         "serving %r (%s engine) on http://%s:%d with %s, CancelOnDisconnectMiddleware %s",
