@@ -8,11 +8,12 @@ yields. One that yields gets an `AsyncioLoop`, and a watcher task once it has ru
 
 from __future__ import annotations
 
+import _asyncio
 import asyncio
 import contextvars
 import sys
 import types
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from time import monotonic
 from typing import Any
 
@@ -23,13 +24,24 @@ from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
 _HAS_UNCANCEL = sys.version_info >= (3, 11)
-_current_task = asyncio.current_task
+_get_running_loop = asyncio.events._get_running_loop
+_current_tasks: dict[object, Any] = getattr(_asyncio, "_current_tasks", {})
+
+
+def _current_task_py() -> Any:  # 3.10, 3.11: asyncio.current_task is Python around this dict
+    return _current_tasks.get(_get_running_loop())
+
+
+_current_task: Callable[[], Any] = getattr(_asyncio, "current_task", _current_task_py)  # 3.12+
+
+
 _CoroutineType = types.CoroutineType
 _CLOSED: frozenset[asyncio.Task[object]] = frozenset()
 _GRACE_HOPS = 3
 _FINISHED = State.FINISHED
 _RESPONSE_COMPLETE = State.RESPONSE_COMPLETE
 _NO_CONTEXT = contextvars.Context()
+_DONE = object()  # what next() returns once the app's coroutine returned (no StopIteration)
 
 
 class AsyncioDriver:
@@ -46,7 +58,7 @@ class AsyncioDriver:
         """Run the app's first step, by hand and synchronously, inside the middleware's own
         coroutine frame (no coroutine of ours per request). Returns None when the request is
         over, else what the middleware must await for the rest of it."""
-        cycle = new_cycle(scope, receive, send, self.options, AsyncioLoop)
+        cycle = new_cycle(scope, receive, send, self.options, _attach)
         if self.tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = self.tracking.begin(cycle)
             if refused is not None:
@@ -54,12 +66,15 @@ class AsyncioDriver:
             tracked: AsyncioLoop = cycle.attached()  # type: ignore[assignment]
             tracked.track(self.tracking)
         reset = bind(cycle.token)
-        awaitable: Any = self.app(scope, cycle.receive, cycle.send)
-        if type(awaitable) is not _CoroutineType:
-            awaitable = awaitable.__await__()
+        coroutine: Any = self.app(scope, cycle.receive, cycle.send)
+        # An iterator over the app's steps (a coroutine's wrapper): next() with a default ends
+        # without raising StopIteration when the app returns None, ~0.8k instructions less.
+        steps = coroutine.__await__()
         try:
-            step = awaitable.send(None)
-        except StopIteration:
+            step = next(steps, _DONE)
+        except BaseException as exc:
+            return _rest(cycle, reset, None, None, exc)
+        if step is _DONE:
             # It never yielded: nothing was watched, nothing to wait for (unless the app read a
             # disconnect itself in that step: then the rest is the slow path's).
             if cycle.loop is None:  # (the cycle fires the token only through its loop)
@@ -67,36 +82,68 @@ class AsyncioDriver:
                 unbind(reset)
                 return None
             return _rest(cycle, reset, None, None, None)
-        except BaseException as exc:
-            return _rest(cycle, reset, None, None, exc)
         loop: AsyncioLoop = cycle.attached()  # type: ignore[assignment]
-        loop.yielded(awaitable)
-        return _rest(cycle, reset, awaitable, step, None)
+        # From here on the app's own coroutine, not its wrapper: one layer less per resumption,
+        # and thread_future() walks its await chain.
+        if type(coroutine) is _CoroutineType:
+            steps = coroutine
+        loop.app_awaitable = steps
+        delay = self.options.watch_delay
+        if delay:
+            loop.watch_timer = loop.task.get_loop().call_later(
+                delay, loop.start_watching, context=_NO_CONTEXT
+            )
+        else:
+            # An empty context, as the sweeper's: the watcher must not carry one request's
+            # context variables (a request id in a log line) into code that runs for it.
+            _NO_CONTEXT.run(loop.start_watching)
+        return _rest(cycle, reset, steps, step, None)
 
 
-async def _rest(
+@types.coroutine
+def _rest(
     cycle: Cycle,
     reset: contextvars.Token[CancelToken],
     awaitable: Any,
     step: Any,
     error: BaseException | None,
-) -> None:
-    """The rest of a request whose first step yielded (or ended unusually)."""
+) -> Generator[Any, Any, None]:
+    """The rest of a request whose first step yielded (or ended unusually).
+
+    A generator-based coroutine that goes on with the app itself (one frame per request and
+    per resumption less than awaiting a helper): asyncio resumes a task with `send(None)` or
+    `throw(exc)`; once resumed with None, the rest is a plain `yield from`.
+    """
     token = cycle.token
     outside = False
     try:
         if error is not None:
             raise error
-        if awaitable is not None:
-            await _resume(awaitable, step)
+        while awaitable is not None:
+            try:
+                sent = yield step
+            except GeneratorExit:
+                awaitable.close()
+                raise
+            except BaseException as exc:
+                try:
+                    step = awaitable.throw(exc)
+                except StopIteration:
+                    break
+                continue
+            if sent is None:
+                yield from awaitable
+                break
+            try:  # pragma: no cover - asyncio's tasks always send None
+                step = awaitable.send(sent)
+            except StopIteration:  # pragma: no cover
+                break
     except asyncio.CancelledError:
         loop: AsyncioLoop | None = cycle.loop  # type: ignore[assignment]
         if loop is not None and loop.cancel_issued:
             if _HAS_UNCANCEL and loop.task.uncancel():  # type: ignore[attr-defined,unused-ignore]
                 raise  # ours, and someone else's too
-        elif not token.cancelled or (
-            _HAS_UNCANCEL and _current_task().cancelling()  # type: ignore[union-attr,unused-ignore]
-        ):
+        elif not token.cancelled or (_HAS_UNCANCEL and _current_task().cancelling()):
             outside = True  # not ours: server shutdown or an outer timeout
             raise
         # Otherwise the app raised it itself once the client had gone (raise_if_cancelled()
@@ -115,42 +162,14 @@ async def _rest(
         loop = cycle.loop  # type: ignore[assignment]
         try:
             if loop is not None and not loop.close():
-                await loop.finish(outside)
+                yield from loop.finish(outside).__await__()
         finally:
             unbind(reset)
             if loop is not None:
                 # cycle <-> loop: broken here so that reference counting frees them.
                 cycle.loop = loop.task = None  # type: ignore[assignment]
     if token.cancelled:
-        await complete_cancelled(cycle)
-
-
-@types.coroutine
-def _resume(awaitable: Any, step: Any) -> Generator[Any, Any, None]:
-    """Go on with an app whose first step was taken by hand and yielded `step`.
-
-    asyncio resumes a task with `send(None)` or `throw(exc)`; once resumed with None, the rest
-    is a plain `yield from`, so the await chain (which `protected()` reads) is intact.
-    """
-    while True:
-        try:
-            sent = yield step
-        except GeneratorExit:
-            awaitable.close()
-            raise
-        except BaseException as exc:
-            try:
-                step = awaitable.throw(exc)
-            except StopIteration:
-                return
-            continue
-        if sent is None:
-            yield from awaitable
-            return
-        try:  # pragma: no cover - asyncio's tasks always send None
-            step = awaitable.send(sent)
-        except StopIteration:  # pragma: no cover
-            return
+        yield from complete_cancelled(cycle).__await__()
 
 
 class AsyncioLoop:
@@ -167,22 +186,8 @@ class AsyncioLoop:
     tracking: Tracking | None = None
     deadline_timer: asyncio.TimerHandle | None = None
 
-    def __init__(self, cycle: Cycle) -> None:
-        self.cycle = cycle
-        self.task: asyncio.Task[Any] = _current_task()  # type: ignore[assignment]
-
-    def yielded(self, app_awaitable: Any) -> None:
-        """The app's first step yielded: watch, now or after `watch_delay`."""
-        self.app_awaitable = app_awaitable
-        delay = self.cycle.options.watch_delay
-        # An empty context: the watcher must not carry one request's context variables (a
-        # request id in a log line) into code that runs for it. Shared: callbacks never nest.
-        if delay:
-            self.watch_timer = self.task.get_loop().call_later(
-                delay, self.start_watching, context=_NO_CONTEXT
-            )
-        else:
-            _NO_CONTEXT.run(self.start_watching)
+    cycle: Cycle
+    task: asyncio.Task[Any]
 
     def track(self, tracking: Tracking) -> None:
         """Make the request findable by id, and arm its one deadline timer if it has one."""
@@ -363,6 +368,18 @@ class AsyncioLoop:
         self.spawned = _CLOSED
         if interrupted:
             raise asyncio.CancelledError
+
+
+def _attach(cycle: Cycle) -> AsyncioLoop:
+    """A cycle's `AsyncioLoop`, made in the request's task (no `type.__call__`, no `__init__`:
+    ~0.5k instructions less per request that waits)."""
+    loop: AsyncioLoop = _new_object(AsyncioLoop)
+    loop.cycle = cycle
+    loop.task = _current_task()
+    return loop
+
+
+_new_object = object.__new__
 
 
 async def _wait_out(tasks: list[asyncio.Task[Any]]) -> bool:

@@ -375,7 +375,7 @@ def new_cycle(
     cycle.real_send = send
     cycle.options = options
     cycle.attach = attach
-    cycle.token = CancelToken()
+    cycle.token = _new_object(CancelToken)  # (it has no __init__)
     cycle.state = _READING_BODY
     cycle.disconnect = None
     cycle.first_sent = None
