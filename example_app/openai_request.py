@@ -105,6 +105,7 @@ def parse_request(
         top_p=_number(body, "top_p", default=1.0, minimum=0.0, maximum=1.0),
         stop=_stop(body),
         seed=_integer(body, "seed", default=None, minimum=-(2**63), maximum=2**63 - 1),
+        ignore_eos=_boolean(body, "ignore_eos", default=False),
     )
     return GenerationRequest(kind, model, prompt, sampling, stream, include_usage)
 

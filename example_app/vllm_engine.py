@@ -79,6 +79,7 @@ class VllmEngine:
                 top_p=sampling.top_p or 1e-6,  # OpenAI allows 0, vLLM wants (0, 1]
                 stop=list(sampling.stop) or None,
                 seed=sampling.seed,
+                ignore_eos=sampling.ignore_eos,
             )
         except ValueError as error:
             raise EngineRequestError(str(error)) from None

@@ -93,6 +93,7 @@ CASES = [
     case("stop-not-strings", COMPLETIONS, completion(stop=[1]), param="stop"),
     case("n-two", COMPLETIONS, completion(n=2), param="n"),
     case("seed-string", COMPLETIONS, completion(seed="x"), param="seed"),
+    case("ignore-eos-string", COMPLETIONS, completion(ignore_eos="yes"), param="ignore_eos"),
     case("messages-missing", CHAT, b'{"model": "sim-llm"}', param="messages"),
     case("messages-not-array", CHAT, chat(messages="hi"), param="messages"),
     case("messages-empty", CHAT, chat(messages=[]), param="messages"),

@@ -87,7 +87,14 @@ def test_client_timeout_aborts_the_vllm_request(
     before = vllm_server.metrics()
     max_tokens = 2000  # several seconds on a CPU
     with pytest.raises(openai.APITimeoutError):
-        client.completions.create(model=NAME, prompt="Hello", max_tokens=max_tokens, timeout=0.5)
+        # ignore_eos: the random-weight model may sample its end-of-text token within 0.5 s.
+        client.completions.create(
+            model=NAME,
+            prompt="Hello",
+            max_tokens=max_tokens,
+            timeout=0.5,
+            extra_body={"ignore_eos": True},
+        )
     deadline = time.monotonic() + 10.0
     while vllm_server.metrics()["example_engine_requests_running"]:
         assert time.monotonic() < deadline, "the vLLM request is still running"
