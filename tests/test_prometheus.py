@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,18 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
 from .helpers import with_watchdog
-from .servers.client import CHUNK_MARKER, RST, close, connect, get, read_head, send_request
+from .servers.client import (
+    CHUNK_MARKER,
+    RST,
+    close,
+    connect,
+    get,
+    new_id,
+    read_head,
+    read_response,
+    recv_some,
+    send_request,
+)
 from .servers.metrics_app import CLEANUP
 from .servers.runner import HYPERCORN_TRIO, UVICORN_HTTPTOOLS, Server, ServerSpec, running_server
 
@@ -113,6 +125,73 @@ def test_real_cancellations_counted_once_by_route_template_and_phase(server: Ser
         assert value(found, "test_cancel_cleanup_seconds_count", **labels, phase=phase) == count
         total = value(found, "test_cancel_cleanup_seconds_sum", **labels, phase=phase)
         assert CLEANUP * count <= total < (CLEANUP + 2) * count
+    server.assert_no_traceback()
+
+
+def cancel_by_id(server: Server, request_id: str) -> int:
+    with connect(server.port) as sock:
+        send_request(sock, "POST", f"/requests/{request_id}/cancel")
+        return read_response(sock).status
+
+
+def read_until_marker(sock: socket.socket, body: bytes) -> bytes:
+    while CHUNK_MARKER not in body:
+        body += sock.recv(65536)
+    return body
+
+
+@pytest.mark.servers
+@pytest.mark.timeout(90)
+def test_each_reason_counted_once_with_its_phase(server: Server) -> None:
+    """Cancelled by id and deadline exceeded, before the response and mid-stream, while the
+    client stays connected: each counted once under its reason, and the client gets the
+    documented end (499 / 504 / the end of its stream)."""
+    routes = {"before_response": "/items/{item_id}", "mid_stream": "/stream/{name}"}
+    start = samples(get(server.port, "/metrics").body.decode())
+    run = new_id()
+    with connect(server.port) as sock:  # cancelled by id before the response: 499
+        send_request(sock, "GET", "/items/8", headers=(("X-Request-Id", f"{run}-item"),))
+        time.sleep(0.3)  # the app is sleeping in its endpoint
+        assert cancel_by_id(server, f"{run}-item") == 202
+        assert read_response(sock).status == 499
+    with connect(server.port) as sock:  # cancelled by id mid-stream: the stream ends
+        send_request(sock, "GET", "/stream/e", headers=(("X-Request-Id", f"{run}-stream"),))
+        status, _, body = read_head(sock)
+        body = read_until_marker(sock, body)
+        assert cancel_by_id(server, f"{run}-stream") == 202
+        while not body.endswith(b"0\r\n\r\n"):
+            body += recv_some(sock)
+        assert status == 200
+    with connect(server.port) as sock:  # deadline before the response: 504
+        send_request(sock, "GET", "/items/9", headers=(("X-Request-Timeout", "300ms"),))
+        assert read_response(sock).status == 504
+    with connect(server.port) as sock:  # deadline mid-stream: the stream ends
+        send_request(sock, "GET", "/stream/f", headers=(("X-Request-Timeout", "300ms"),))
+        _, _, body = read_head(sock)
+        while not body.endswith(b"0\r\n\r\n"):
+            body += recv_some(sock)
+    expected = [
+        ("cancelled", "before_response"),
+        ("cancelled", "mid_stream"),
+        ("deadline exceeded", "before_response"),
+        ("deadline exceeded", "mid_stream"),
+    ]
+
+    def count(found: Samples, name: str, reason: str, phase: str) -> float:
+        labels = {"method": "GET", "route": routes[phase], "reason": reason, "phase": phase}
+        return value(found, name, **labels) - value(start, name, **labels)
+
+    found = wait_for_metrics(
+        server,
+        lambda found: all(
+            count(found, "test_cancel_cleanup_seconds_count", *key) >= 1 for key in expected
+        ),
+    )
+    time.sleep(0.3)  # anything counted twice would show up by now
+    found = samples(get(server.port, "/metrics").body.decode())
+    for reason, phase in expected:
+        assert count(found, "test_cancelled_requests_total", reason, phase) == 1, (reason, phase)
+        assert count(found, "test_cancel_cleanup_seconds_count", reason, phase) == 1
     server.assert_no_traceback()
 
 

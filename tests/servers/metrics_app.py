@@ -7,6 +7,9 @@ Served as `servers.metrics_app:app` (asyncio and trio servers alike):
 - `/stream/{name}`: a chunk every 20 ms for up to 30 s (cancelled mid-stream).
 - `/payments/{n}`: excluded from cancellation by prefix; sleeps `CLEANUP` s, then answers.
 - `/metrics`: the registry in Prometheus' text format.
+- `/requests/{id}/cancel` (POST): cancels a running request by its `X-Request-Id`.
+
+Requests may carry `X-Request-Timeout` (a deadline) and `X-Request-Id`.
 
 Each cancelled endpoint spends `CLEANUP` seconds in its cleanup (shielded), which the
 cleanup histogram must see.
@@ -21,9 +24,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
-from asgi_cancel import CancelOnDisconnectMiddleware
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, cancel_endpoint
 from asgi_cancel.prometheus import CancelMetrics
 
 CLEANUP = 0.2
@@ -68,15 +71,19 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(registry), media_type="text/plain")
 
 
+cancel_registry = CancelRegistry()
 routes = [
     Route("/hello", hello),
     Route("/items/{item_id:int}", item),
     Route("/stream/{name}", stream),
     Route("/payments/{n}", payment),
     Route("/metrics", metrics),
+    Mount("/requests", cancel_endpoint(cancel_registry, authorize=None)),  # test port only
 ]
 app = CancelOnDisconnectMiddleware(
     Starlette(routes=routes),
     on_cancelled=CancelMetrics(registry=registry, namespace="test"),
-    exclude=("/payments/",),
+    exclude=("/payments/", "/requests/"),
+    registry=cancel_registry,
+    timeout_header="x-request-timeout",
 )
