@@ -124,7 +124,7 @@ class GatewayProcess(Subprocess):
         self,
         backends: Sequence[str],
         *gateway_args: str,
-        ready_timeout: float = 20.0,
+        ready_timeout: float = 120.0,  # as ServerProcess: loaded machines
         env: Mapping[str, str] | None = None,
     ) -> None:
         def argv(port: int) -> list[str]:

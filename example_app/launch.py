@@ -239,7 +239,9 @@ class ServerProcess(Subprocess):
     Args:
         *serve_args: extra `serve` arguments (e.g. `"--no-middleware"`).
         server: "hypercorn" or "uvicorn".
-        ready_timeout: seconds to wait for `/health` to answer.
+        ready_timeout: seconds to wait for `/health` to answer (a server that exits is
+            reported at once). The simulated engine's server answers within 1-2 s here, but
+            took over 20 s once on a loaded machine: the default leaves room for that.
         env: environment variables to add for the server.
     """
 
@@ -247,7 +249,7 @@ class ServerProcess(Subprocess):
         self,
         *serve_args: str,
         server: str = "hypercorn",
-        ready_timeout: float = 20.0,
+        ready_timeout: float = 120.0,
         env: Mapping[str, str] | None = None,
     ) -> None:
         def argv(port: int) -> list[str]:
