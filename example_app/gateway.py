@@ -34,6 +34,7 @@ from asgi_cancel.httpx import CancelTransport
 
 from . import metrics
 from .app import cancel_authorizer
+from .load import BACKEND_HEADER
 from .openai_errors import EXCEPTION_HANDLERS, OpenAIError
 
 logger = logging.getLogger("example_app.gateway")
@@ -154,6 +155,7 @@ class _Proxy:
         response_headers = {
             name: value for name, value in upstream.headers.items() if name not in _DROPPED_RESPONSE
         }
+        response_headers[BACKEND_HEADER] = backend.url  # which backend served it (the demo's)
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
             return _UpstreamStream(upstream, response_headers, release)
         try:

@@ -4,7 +4,9 @@ The same engine servers (each with asgi-cancel) serve two passes of the load: th
 gateway with its asgi-cancel binding (middleware + `CancelTransport`), then through the same
 gateway without it (`--no-binding`, a plain httpx proxy). The table shows, per backend, what
 its engine generated, aborted, and counted as wasted (tokens after *its* client, the gateway,
-left), and, for all backends, the tokens generated for clients that did not read them.
+left), and the tokens it generated that no client read (generated minus what the clients that
+stayed read from its responses: the gateway names the backend in `x-example-backend`), and the
+same for all backends.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def unread_tokens(run: Run) -> float:
     return run.final["example_engine_tokens_generated_total"] - delivered
 
 
+def delivered_by(run: Run, url: str) -> float:
+    """Tokens of `url`'s responses that clients read to the end (the gateway names the
+    backend of each response; a client that left before the headers has none, and read none)."""
+    return sum(r.tokens for r in run.results if r.outcome == "done" and r.backend == url)
+
+
 def format_gateway_table(
     load: Load,
     step_time: float,
@@ -101,6 +109,15 @@ def format_gateway_table(
             ("  engine requests aborted", "requests_aborted"),
         ):
             rows.append((name, [f"{p.backends[index][key]:,.0f}" for p in passes]))
+        rows.append(
+            (
+                "  tokens nobody read",
+                [
+                    f"{p.backends[index]['tokens_generated'] - delivered_by(p.run, url):,.0f}"
+                    for p in passes
+                ],
+            )
+        )
     rows.append(
         ("all backends: tokens nobody read", [f"{unread_tokens(p.run):,.0f}" for p in passes])
     )
@@ -115,6 +132,7 @@ def format_gateway_table(
         f"{load.max_tokens} tokens per request; all on 127.0.0.1",
         "'wasted' is what a backend can see: tokens after its own client, the gateway, left;",
         "'nobody read' also counts the tokens generated for a client the gateway never told about",
+        "(per backend it includes the load's two one-token warm-up requests)",
         "",
         f"{'':36}{'with asgi-cancel':>18}{'without':>18}",
         f"{'':36}{'on the gateway':>18}{'on the gateway':>18}",

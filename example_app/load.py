@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # both are imported when the demo runs, not when `serve` pars
 
 Leave = Literal["timeout", "close"]
 PROMPT = "Explain why a server should stop working for a client that has gone away."
+# The gateway names the backend that served a response: the demo counts per backend what
+# clients read.
+BACKEND_HEADER = "x-example-backend"
 WATCHDOG = 120.0  # seconds: no client may take longer, whatever the server does
 
 
@@ -50,6 +53,7 @@ class ClientResult:
     latency: float
     finished_at: float
     tokens: int
+    backend: str | None = None  # the gateway's `x-example-backend` header, when there is one
 
 
 @dataclass
@@ -195,14 +199,17 @@ async def _client(
     started = time.monotonic()
     tokens = 0
     outcome = "done"
+    backend: str | None = None
     try:
         if not plan.stream:
-            completion = await client.completions.create(
+            raw = await client.completions.with_raw_response.create(
                 model=model,
                 prompt=PROMPT,
                 max_tokens=load.max_tokens,
                 timeout=plan.timeout if plan.leave == "timeout" else WATCHDOG,
             )
+            backend = raw.headers.get(BACKEND_HEADER)
+            completion = raw.parse()
             tokens = completion.usage.completion_tokens if completion.usage else 0
         else:
             stream = await client.chat.completions.create(
@@ -213,6 +220,7 @@ async def _client(
                 stream_options={"include_usage": True},
                 timeout=WATCHDOG,
             )
+            backend = stream.response.headers.get(BACKEND_HEADER)
             chunks = 0
             async with stream:  # leaving it early closes the stream, and the connection
                 async for chunk in stream:
@@ -228,4 +236,4 @@ async def _client(
     except openai.OpenAIError as error:
         outcome = f"error: {error}"
     finished = time.monotonic()
-    return ClientResult(plan, outcome, finished - started, finished - origin, tokens)
+    return ClientResult(plan, outcome, finished - started, finished - origin, tokens, backend)

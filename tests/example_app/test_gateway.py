@@ -193,3 +193,12 @@ def test_the_demo_through_the_gateway(tmp_path: Path) -> None:
     assert len(aborted) == 2
     # The bound pass aborted the requests of clients that left (on one backend or the other).
     assert sum(int(line.split()[-2].replace(",", "")) for line in aborted) >= 1
+    # Per backend, the tokens nobody read (the gateway names each response's backend) add up
+    # to the all-backends figure, plus the warm-up's two one-token requests.
+    unread = [line.split() for line in table.splitlines() if "tokens nobody read" in line]
+    per_backend = [words for words in unread if words[0] == "tokens"]
+    (everyone,) = [words for words in unread if words[0] == "all"]
+    assert len(per_backend) == 2
+    for column in (-2, -1):
+        total = sum(int(words[column].replace(",", "")) for words in per_backend)
+        assert 0 <= total - int(everyone[column].replace(",", "")) <= 2
