@@ -1,4 +1,4 @@
-"""The OpenAI-compatible Starlette app, wrapped in `CancelOnDisconnectMiddleware`.
+"""The OpenAI-compatible FastAPI app, wrapped in `CancelOnDisconnectMiddleware`.
 
 The endpoints hold no cancellation logic beyond `engine_request` (which enters
 `asgi_cancel.vllm.abort_on_cancel`): when the client goes, the middleware fires the request's
@@ -13,12 +13,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager, contextmanager
-from typing import Any
+from dataclasses import dataclass
 
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
+from fastapi import APIRouter, FastAPI
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asgi_cancel import (
@@ -33,17 +32,31 @@ from . import metrics
 from .departures import DepartureRecorder, engine_request
 from .engine import Engine, EngineRequestError, RequestOutput
 from .openai_errors import (
-    EXCEPTION_HANDLERS,
+    ErrorResponse,
     OpenAIError,
     aborted,
     as_openai_error,
     from_engine_error,
+    model_not_found,
     shutting_down,
+    validation_handlers,
 )
-from .openai_request import GenerationRequest, Kind, parse_json_body, parse_request
-from .openai_response import DONE, Responder, sse
+from .openai_request import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JSONBodyRoute,
+    max_tokens,
+)
+from .openai_response import (
+    DONE,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Responder,
+    sse,
+)
 
-MAX_BODY = 1024 * 1024
 CANCEL_PATH = "/v1/requests"  # POST /v1/requests/{id}/cancel, DELETE /v1/requests/{id}
 CANCEL_SECRET_HEADER = "x-cancel-secret"
 logger = logging.getLogger("example_app")
@@ -102,7 +115,7 @@ def create_app(
     registry = CancelRegistry() if cancel_by_id else None
 
     @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         if shutdown is not None:
             shutdown._attach(server.begin_shutdown)
@@ -111,18 +124,26 @@ def create_app(
         finally:
             await engine.stop()
 
-    routes: list[Route | Mount] = [
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/metrics", server.metrics, methods=["GET"]),
-    ]
+    app = FastAPI(
+        title="asgi-cancel example_app",
+        lifespan=lifespan,
+        exception_handlers=validation_handlers((model_name,)),
+        responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
+    )
+    # OpenAI reads the body itself (any content type, 1 MiB at most, strict JSON).
+    generation = APIRouter(route_class=JSONBodyRoute)
+    generation.post("/v1/completions", response_model=CompletionResponse)(server.completions)
+    generation.post("/v1/chat/completions", response_model=ChatCompletionResponse)(
+        server.chat_completions
+    )
+    app.include_router(generation)
+    app.get("/v1/models", response_model=ModelList)(server.models)
+    app.get("/v1/models/{model:path}", response_model=ModelCard)(server.model)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics)
     if registry is not None:
         endpoint = cancel_endpoint(registry, authorize=cancel_authorizer(cancel_secret))
-        routes.append(Mount(CANCEL_PATH, endpoint))
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+        app.router.routes.append(Mount(CANCEL_PATH, endpoint))
     if not cancel_on_disconnect:
         return DepartureRecorder(app)
     return CancelOnDisconnectMiddleware(
@@ -178,62 +199,54 @@ class _Server:
         )
         return shutting_down()
 
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
+    async def completions(self, body: CompletionRequest) -> Response:
+        return await self._generate(body)
 
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        return await self._generate(body)
 
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+    async def models(self) -> ModelList:
+        return ModelList(data=[self._model_card()])
 
-    async def model(self, request: Request) -> Response:
-        if request.path_params["model"] != self.model_name:
+    async def model(self, model: str) -> ModelCard:
+        if model != self.model_name:
             raise OpenAIError(
-                404,
-                f"The model `{request.path_params['model']}` does not exist.",
-                param="model",
-                code="model_not_found",
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
             )
-        return JSONResponse(self._model_card())
+        return self._model_card()
 
-    def _model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.started,
-            "owned_by": "asgi-cancel-example",
-            "max_model_len": self.engine.max_model_len,
-        }
-
-    async def health(self, request: Request) -> Response:
-        return JSONResponse(
-            {"status": "ok", "engine": self.engine.name, "middleware": self.cancel_on_disconnect}
+    def _model_card(self) -> ModelCard:
+        return ModelCard(
+            id=self.model_name, created=self.started, max_model_len=self.engine.max_model_len
         )
 
-    async def metrics(self, request: Request) -> Response:
+    async def health(self) -> dict[str, object]:
+        return {"status": "ok", "engine": self.engine.name, "middleware": self.cancel_on_disconnect}
+
+    async def metrics(self) -> Response:
         return Response(self.exposition.render(), media_type=metrics.CONTENT_TYPE)
 
-    async def _generate(self, request: Request, kind: Kind) -> Response:
-        generation = parse_request(
-            kind,
-            parse_json_body(await _read_body(request)),
-            models=(self.model_name,),
-            max_model_len=self.engine.max_model_len,
-            count_prompt_tokens=self.engine.count_prompt_tokens,
+    async def _generate(self, request: CompletionRequest | ChatCompletionRequest) -> Response:
+        if request.model != self.model_name:
+            raise model_not_found(request.model)
+        prompt = request.render()
+        engine = self.engine
+        budget = max_tokens(request, prompt, engine.max_model_len, engine.count_prompt_tokens)
+        chat = isinstance(request, ChatCompletionRequest)
+        responder = Responder(
+            request, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         )
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        responder = Responder(generation, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
         try:
-            params = self.engine.sampling_params(generation.sampling)
+            params = engine.sampling_params(request.sampling(budget))
         except EngineRequestError as error:
             raise from_engine_error(error) from None
-        if generation.stream:
+        generation = Generation(prompt, request.include_usage)
+        if request.stream:
             return await self._stream(generation, params, responder)
         return await self._complete(generation, params, responder)
 
     async def _complete(
-        self, generation: GenerationRequest, params: object, responder: Responder
+        self, generation: Generation, params: object, responder: Responder
     ) -> Response:
         request_id = responder.response_id
         final: RequestOutput | None = None
@@ -259,10 +272,10 @@ class _Server:
             len(final.prompt_token_ids),
             len(completion.token_ids),
         )
-        return JSONResponse(body)
+        return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(
-        self, generation: GenerationRequest, params: object, responder: Responder
+        self, generation: Generation, params: object, responder: Responder
     ) -> Response:
         events = self._events(generation, params, responder)
         # Headers wait for the first output, so an engine error is still an HTTP status, as
@@ -272,7 +285,7 @@ class _Server:
         return EventStreamResponse(first, events)
 
     async def _events(
-        self, generation: GenerationRequest, params: object, responder: Responder
+        self, generation: Generation, params: object, responder: Responder
     ) -> AsyncGenerator[bytes, None]:
         request_id = responder.response_id
         sent = 0
@@ -295,12 +308,20 @@ class _Server:
                     error = as_openai_error(exc)
                     if first:
                         raise error from None  # before the headers: an HTTP error status
-                    yield sse(error.body())  # after them: an error event, as OpenAI sends
+                    yield sse(error.response_body())  # after them: an error event, as OpenAI sends
                     return
         if generation.include_usage and final is not None:
             tokens = len(final.outputs[0].token_ids)
             yield responder.usage_chunk(len(final.prompt_token_ids), tokens)
         yield DONE
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What the engine call needs from a validated request."""
+
+    prompt: str
+    include_usage: bool
 
 
 class EventStreamResponse(StreamingResponse):
@@ -329,19 +350,3 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
-
-
-async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise _too_large()
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY:
-            raise _too_large()
-    return bytes(body)
-
-
-def _too_large() -> OpenAIError:
-    return OpenAIError(413, f"Request body too large: the limit is {MAX_BODY} bytes.")

@@ -1,14 +1,18 @@
 """OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, for every error.
 
-`EXCEPTION_HANDLERS` make the Starlette app answer that way for its own errors too (unknown
-path, wrong method) and for anything unexpected, which is a 500 `server_error`.
+`EXCEPTION_HANDLERS` make an app answer that way for its own errors too (unknown path, wrong
+method) and for anything unexpected, which is a 500 `server_error`; `validation_handlers` add
+FastAPI's `RequestValidationError`, each pydantic error worded and coded as OpenAI does.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -16,6 +20,20 @@ from starlette.responses import JSONResponse, Response
 from .engine import EngineRequestError
 
 logger = logging.getLogger("example_app")
+Handler = Callable[[Request, Any], Coroutine[Any, Any, Response]]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response, and of a stream's error event."""
+
+    error: ErrorInfo
 
 
 class OpenAIError(Exception):
@@ -37,30 +55,12 @@ class OpenAIError(Exception):
         self.code = code
         self.type = type
 
+    def response_body(self) -> ErrorResponse:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info)
+
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def type_error(name: str, expected: str, value: object) -> OpenAIError:
-    return OpenAIError(
-        400,
-        f"Invalid type for '{name}': expected {expected}, but got {json_type(value)} instead.",
-        param=name,
-        code="invalid_type",
-    )
-
-
-def unsupported(name: str, what: str) -> OpenAIError:
-    return OpenAIError(
-        400, f"This example server does not support {what}.", param=name, code="unsupported_value"
-    )
+        return self.response_body().model_dump()
 
 
 def json_type(value: object) -> str:
@@ -78,6 +78,91 @@ def json_type(value: object) -> str:
     if isinstance(value, list):
         return "an array"
     return "an object"
+
+
+# pydantic's error type -> what OpenAI's message says was expected.
+EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "model_type": "an object",
+    "dict_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def param_name(loc: Sequence[int | str]) -> str | None:
+    """`("body", "messages", 0, "content")` -> `"messages[0].content"`; None for the body."""
+    name = ""
+    for part in loc[1:]:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else part
+    return name or None
+
+
+def from_validation_error(error: dict[str, Any]) -> OpenAIError:
+    """One pydantic error (FastAPI's `RequestValidationError.errors()` item) as OpenAI's."""
+    kind, value, context = error["type"], error.get("input"), error.get("ctx") or {}
+    param = param_name(error["loc"])
+    name = param or "request body"
+    if kind == "missing":
+        message, code = f"Missing required parameter: '{name}'.", "missing_required_parameter"
+    elif kind in EXPECTED or kind == "invalid_type":
+        expected = context.get("expected") or EXPECTED.get(kind, "an object")
+        got = json_type(value)
+        message = f"Invalid type for '{name}': expected {expected}, but got {got} instead."
+        code = "invalid_type"
+    elif kind in ("greater_than_equal", "less_than_equal"):
+        below = kind == "greater_than_equal"
+        bound = context["ge" if below else "le"]
+        number = "integer" if isinstance(bound, int) else "decimal"  # the field's type
+        message = (
+            f"Invalid '{name}': {number} {'below minimum' if below else 'above maximum'} value. "
+            f"Expected a value {'>=' if below else '<='} {_show(bound)}, but got {_show(value)} "
+            "instead."
+        )
+        code = f"{number}_{'below_min' if below else 'above_max'}_value"
+    elif kind == "finite_number":
+        message, code = f"Invalid '{name}': expected a finite number.", "invalid_value"
+    elif kind == "too_short":
+        message = (
+            f"Invalid '{name}': empty array. Expected an array with minimum length "
+            f"{context['min_length']}, but got an empty array instead."
+        )
+        code = "empty_array"
+    elif kind == "too_long":
+        message = (
+            f"Invalid '{name}': array too long. Expected an array with maximum length "
+            f"{context['max_length']}, but got an array with length {context['actual_length']} "
+            "instead."
+        )
+        code = "array_above_max_length"
+    elif kind == "literal_error":
+        message = f"Invalid value for '{name}': expected one of {context['expected']}."
+        code = "invalid_value"
+    else:  # our own checks (PydanticCustomError): the type is the code, the message OpenAI's
+        message, code = error["msg"], kind
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def unsupported(what: str) -> str:
+    return f"This example server does not support {what}."
+
+
+def model_not_found(model: str) -> OpenAIError:
+    # OpenAI and vLLM answer 404 here, and the openai client raises NotFoundError.
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def from_engine_error(error: EngineRequestError) -> OpenAIError:
@@ -108,9 +193,14 @@ def as_openai_error(exc: Exception) -> OpenAIError:
     return OpenAIError(500, "The server had an error processing your request.", type="server_error")
 
 
+def error_response(error: OpenAIError, headers: Mapping[str, str] | None = None) -> Response:
+    body = error.response_body().model_dump_json()
+    return Response(body, error.status, headers, media_type="application/json")
+
+
 async def _openai_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, OpenAIError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return error_response(exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -121,8 +211,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = f"Method not allowed ({request.method} {request.url.path})"
     else:
         message = str(exc.detail)
-    error = OpenAIError(exc.status_code, message)
-    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+    return error_response(OpenAIError(exc.status_code, message), exc.headers)
 
 
 async def _client_disconnect(request: Request, exc: Exception) -> Response:
@@ -138,9 +227,26 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.body(), status_code=500)
 
 
-EXCEPTION_HANDLERS = {
+EXCEPTION_HANDLERS: dict[Any, Handler] = {
     OpenAIError: _openai_error,
     HTTPException: _http_error,
     ClientDisconnect: _client_disconnect,
     Exception: _server_error,
 }
+
+
+def validation_handlers(models: Collection[str]) -> dict[Any, Handler]:
+    """`EXCEPTION_HANDLERS` and FastAPI's `RequestValidationError` answered as OpenAI does.
+
+    An unknown model is a 404 before any other error in the body, as OpenAI and vLLM answer;
+    otherwise the first pydantic error is the 400 (its `loc` names the `param`).
+    """
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        model = exc.body.get("model") if isinstance(exc.body, dict) else None
+        if isinstance(model, str) and model not in models:
+            return error_response(model_not_found(model))
+        return error_response(from_validation_error(exc.errors()[0]))
+
+    return {**EXCEPTION_HANDLERS, RequestValidationError: validation_error}
