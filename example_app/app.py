@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager, contextmanager
-from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI
 from starlette.responses import Response, StreamingResponse
@@ -31,6 +30,7 @@ from asgi_cancel.types import Scope as CancelScope
 from . import metrics
 from .departures import DepartureRecorder, engine_request
 from .engine import Engine, EngineRequestError, RequestOutput
+from .json_body import JSONBodyRoute
 from .openai_errors import (
     ErrorResponse,
     OpenAIError,
@@ -41,12 +41,7 @@ from .openai_errors import (
     shutting_down,
     validation_handlers,
 )
-from .openai_request import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    JSONBodyRoute,
-    max_tokens,
-)
+from .openai_request import ChatCompletionRequest, CompletionRequest, max_tokens
 from .openai_response import (
     DONE,
     ChatCompletionResponse,
@@ -240,23 +235,18 @@ class _Server:
             params = engine.sampling_params(request.sampling(budget))
         except EngineRequestError as error:
             raise from_engine_error(error) from None
-        generation = Generation(prompt, request.include_usage)
         if request.stream:
-            return await self._stream(generation, params, responder)
-        return await self._complete(generation, params, responder)
+            return await self._stream(prompt, request.include_usage, params, responder)
+        return await self._complete(prompt, params, responder)
 
-    async def _complete(
-        self, generation: Generation, params: object, responder: Responder
-    ) -> Response:
+    async def _complete(self, prompt: str, params: object, responder: Responder) -> Response:
         request_id = responder.response_id
         final: RequestOutput | None = None
         try:
             with self._tracked(request_id):
                 async with (
                     engine_request(self.engine, request_id),
-                    aclosing(
-                        self.engine.generate(generation.prompt, params, request_id)
-                    ) as outputs,
+                    aclosing(self.engine.generate(prompt, params, request_id)) as outputs,
                 ):
                     async for output in outputs:
                         final = output
@@ -275,9 +265,9 @@ class _Server:
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(
-        self, generation: Generation, params: object, responder: Responder
+        self, prompt: str, include_usage: bool, params: object, responder: Responder
     ) -> Response:
-        events = self._events(generation, params, responder)
+        events = self._events(prompt, include_usage, params, responder)
         # Headers wait for the first output, so an engine error is still an HTTP status, as
         # with OpenAI. (This queue-and-prefill window is also one that Starlette's own
         # StreamingResponse disconnect listener, which starts with the response, cannot see.)
@@ -285,7 +275,7 @@ class _Server:
         return EventStreamResponse(first, events)
 
     async def _events(
-        self, generation: Generation, params: object, responder: Responder
+        self, prompt: str, include_usage: bool, params: object, responder: Responder
     ) -> AsyncGenerator[bytes, None]:
         request_id = responder.response_id
         sent = 0
@@ -294,7 +284,7 @@ class _Server:
         with self._tracked(request_id):
             async with (
                 engine_request(self.engine, request_id),
-                aclosing(self.engine.generate(generation.prompt, params, request_id)) as outputs,
+                aclosing(self.engine.generate(prompt, params, request_id)) as outputs,
             ):
                 try:
                     async for final in outputs:
@@ -310,18 +300,10 @@ class _Server:
                         raise error from None  # before the headers: an HTTP error status
                     yield sse(error.response_body())  # after them: an error event, as OpenAI sends
                     return
-        if generation.include_usage and final is not None:
+        if include_usage and final is not None:
             tokens = len(final.outputs[0].token_ids)
             yield responder.usage_chunk(len(final.prompt_token_ids), tokens)
         yield DONE
-
-
-@dataclass(frozen=True)
-class Generation:
-    """What the engine call needs from a validated request."""
-
-    prompt: str
-    include_usage: bool
 
 
 class EventStreamResponse(StreamingResponse):

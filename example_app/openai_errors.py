@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from .engine import EngineRequestError
 
@@ -59,37 +59,14 @@ class OpenAIError(Exception):
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info)
 
-    def body(self) -> dict[str, Any]:
-        return self.response_body().model_dump()
 
-
-def json_type(value: object) -> str:
-    """The JSON name of a decoded value's type, with an article, as OpenAI words its errors."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
-# pydantic's error type -> what OpenAI's message says was expected.
-EXPECTED = {
-    "int_type": "an integer",
-    "float_type": "a number",
-    "bool_type": "a boolean",
-    "string_type": "a string",
-    "list_type": "an array",
-    "model_type": "an object",
-    "dict_type": "an object",
-    "model_attributes_type": "an object",
+# pydantic's error type -> OpenAI's code; `*_type` is "invalid_type", our custom types are codes.
+CODES = {
+    "missing": "missing_required_parameter",
+    "finite_number": "invalid_value",
+    "literal_error": "invalid_value",
+    "too_short": "empty_array",
+    "too_long": "array_above_max_length",
 }
 
 
@@ -102,57 +79,14 @@ def param_name(loc: Sequence[int | str]) -> str | None:
 
 
 def from_validation_error(error: dict[str, Any]) -> OpenAIError:
-    """One pydantic error (FastAPI's `RequestValidationError.errors()` item) as OpenAI's."""
-    kind, value, context = error["type"], error.get("input"), error.get("ctx") or {}
-    param = param_name(error["loc"])
-    name = param or "request body"
-    if kind == "missing":
-        message, code = f"Missing required parameter: '{name}'.", "missing_required_parameter"
-    elif kind in EXPECTED or kind == "invalid_type":
-        expected = context.get("expected") or EXPECTED.get(kind, "an object")
-        got = json_type(value)
-        message = f"Invalid type for '{name}': expected {expected}, but got {got} instead."
-        code = "invalid_type"
-    elif kind in ("greater_than_equal", "less_than_equal"):
-        below = kind == "greater_than_equal"
-        bound = context["ge" if below else "le"]
-        number = "integer" if isinstance(bound, int) else "decimal"  # the field's type
-        message = (
-            f"Invalid '{name}': {number} {'below minimum' if below else 'above maximum'} value. "
-            f"Expected a value {'>=' if below else '<='} {_show(bound)}, but got {_show(value)} "
-            "instead."
-        )
-        code = f"{number}_{'below_min' if below else 'above_max'}_value"
-    elif kind == "finite_number":
-        message, code = f"Invalid '{name}': expected a finite number.", "invalid_value"
-    elif kind == "too_short":
-        message = (
-            f"Invalid '{name}': empty array. Expected an array with minimum length "
-            f"{context['min_length']}, but got an empty array instead."
-        )
-        code = "empty_array"
-    elif kind == "too_long":
-        message = (
-            f"Invalid '{name}': array too long. Expected an array with maximum length "
-            f"{context['max_length']}, but got an array with length {context['actual_length']} "
-            "instead."
-        )
-        code = "array_above_max_length"
-    elif kind == "literal_error":
-        message = f"Invalid value for '{name}': expected one of {context['expected']}."
-        code = "invalid_value"
-    else:  # our own checks (PydanticCustomError): the type is the code, the message OpenAI's
-        message, code = error["msg"], kind
+    """One pydantic error (an item of `RequestValidationError.errors()`) as OpenAI's 400."""
+    kind, context, param = error["type"], error.get("ctx") or {}, param_name(error["loc"])
+    code = "invalid_type" if kind.endswith("_type") else CODES.get(kind, kind)
+    if kind in ("greater_than_equal", "less_than_equal"):  # integer_below_min_value, ...
+        number = "integer" if isinstance(context.get("ge", context.get("le")), int) else "decimal"
+        code = f"{number}_{'below_min' if kind == 'greater_than_equal' else 'above_max'}_value"
+    message = f"Invalid '{param or 'request body'}': {error['msg']}."
     return OpenAIError(400, message, param=param, code=code)
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def unsupported(what: str) -> str:
-    return f"This example server does not support {what}."
 
 
 def model_not_found(model: str) -> OpenAIError:
@@ -190,6 +124,10 @@ def as_openai_error(exc: Exception) -> OpenAIError:
     if isinstance(exc, EngineRequestError):
         return from_engine_error(exc)
     logger.error("generation failed", exc_info=exc)
+    return internal_error()
+
+
+def internal_error() -> OpenAIError:
     return OpenAIError(500, "The server had an error processing your request.", type="server_error")
 
 
@@ -221,10 +159,7 @@ async def _client_disconnect(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     # Starlette logs `exc` after this response is sent.
-    error = OpenAIError(
-        500, "The server had an error processing your request.", type="server_error"
-    )
-    return JSONResponse(error.body(), status_code=500)
+    return error_response(internal_error())
 
 
 EXCEPTION_HANDLERS: dict[Any, Handler] = {

@@ -1,43 +1,37 @@
-"""OpenAI's request bodies as pydantic models: bad input is a 4xx `OpenAIError`, never a 500.
+"""OpenAI's request bodies as pydantic models (vLLM's names); `max_tokens` checks the rest.
 
-Only what the example serves: text completions and chat completions, one choice, streaming or
-not. Fields are strict (`"10"` is not an integer, `1.0` not a token count); unknown fields are
-ignored (as vLLM does); features the example does not implement are refused with a 400 rather
-than silently ignored. What depends on the engine (the context length) is `max_tokens`.
+Only what the example serves: one prompt or text messages, one choice, streaming or not. Fields
+are strict (`"10"` is no integer); unknown fields are ignored, as vLLM does; what the example
+does not implement is refused with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic import ValidationInfo as Info
 from pydantic_core import PydanticCustomError
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import Receive, Scope
 
 from .engine import Sampling
-from .openai_errors import OpenAIError, unsupported
+from .openai_errors import OpenAIError
 
-MAX_BODY = 1024 * 1024
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # OpenAI's, and a cap
 
 
-def _only_one(value: int, info: Info) -> int:
-    if value != 1:
-        message = unsupported(f"'{info.field_name}' other than 1")
-        raise PydanticCustomError("unsupported_value", message)
-    return value
+def _unsupported(what: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_value", f"this example server does not support {what}")
+
+
+def _invalid_type(expected: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_type", f"Input should be {expected}")
 
 
 def _refused(value: object, info: Info) -> object:
     if value not in (None, False):
-        raise PydanticCustomError("unsupported_value", unsupported(f"'{info.field_name}'"))
+        raise _unsupported(f"'{info.field_name}'")
     return value
 
 
@@ -45,8 +39,7 @@ def _one_prompt(value: object) -> object:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         return value[0]
     if isinstance(value, list):
-        what = "a 'prompt' other than one string (batches, token ids)"
-        raise PydanticCustomError("unsupported_value", unsupported(what))
+        raise _unsupported("a 'prompt' other than one string (batches, token ids)")
     return value
 
 
@@ -55,28 +48,24 @@ def _stop_strings(value: object) -> object:
         return [value]
     if value is None or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
         return value
-    expected = {"expected": "a string or an array of strings"}
-    raise PydanticCustomError("invalid_type", "expected {expected}", expected)
+    raise _invalid_type("a string or an array of strings")
 
 
 def _content_parts(value: object) -> object:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [{"type": "text", "text": value}]
+    if value is None or isinstance(value, str):
+        return [{"type": "text", "text": value or ""}]
     if isinstance(value, list):
         return value
-    expected = {"expected": "a string or an array of content parts"}
-    raise PydanticCustomError("invalid_type", "expected {expected}", expected)
+    raise _invalid_type("a string or an array of content parts")
 
 
 def _text_only(value: object) -> object:
     if not (isinstance(value, dict) and value.get("type") == "text"):
-        raise PydanticCustomError("unsupported_value", unsupported("content parts other than text"))
+        raise _unsupported("content parts other than text")
     return value
 
 
-One = Annotated[int, Field(ge=1, le=128), AfterValidator(_only_one)]
+One = Annotated[int | None, Field(ge=1, le=1)]  # one choice: n, best_of
 Refused = Annotated[Any, AfterValidator(_refused)]
 Strict = ConfigDict(strict=True, allow_inf_nan=False)
 
@@ -105,8 +94,8 @@ class GenerationRequest(BaseModel):
 
     model_config = Strict
     model: str
-    n: One | None = None
-    best_of: One | None = None
+    n: One = None
+    best_of: One = None
     echo: Refused = None
     logprobs: Refused = None
     suffix: Refused = None
@@ -175,13 +164,8 @@ def max_tokens(
     if value is None:
         return min(DEFAULT_MAX_TOKENS["chat" if chat else "completion"], limit)
     if value > limit:
-        raise OpenAIError(
-            400,
-            f"{name} is too large: {value}. This model supports at most {limit} completion "
-            f"tokens, whereas you provided {value}.",
-            param=name,
-            code="invalid_value",
-        )
+        message = f"{name} is too large: {value}. This model supports at most {limit} tokens."
+        raise OpenAIError(400, message, param=name, code="invalid_value")
     prompt_tokens = count_prompt_tokens(prompt)
     if prompt_tokens is not None and prompt_tokens + value > max_model_len:
         where = "messages" if chat else "prompt"
@@ -194,70 +178,3 @@ def max_tokens(
             code="context_length_exceeded",
         )
     return value
-
-
-class JSONBodyRoute(APIRoute):
-    """A route whose body is read (at most `MAX_BODY`) and decoded as OpenAI's API does.
-
-    Before FastAPI's own parsing: whatever the content type, strict JSON (no `NaN`, no
-    5000-digit integers, no stack overflow on deep nesting), and a 413 or a 400 in OpenAI's
-    words instead of FastAPI's generic "There was an error parsing the body".
-    """
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def handle_json_body(request: Request) -> Response:
-            body = await _read_body(request)
-            return await handler(_ParsedRequest(request.scope, request.receive, body))
-
-        return handle_json_body
-
-
-class _ParsedRequest(Request):
-    def __init__(self, scope: Scope, receive: Receive, body: bytes) -> None:
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-        # FastAPI decodes the body as JSON only for a JSON content type; OpenAI ignores it.
-        headers.append((b"content-type", b"application/json"))
-        super().__init__({**scope, "headers": headers}, receive)
-        self._decoded = parse_json_body(body)
-        self._raw = body
-
-    async def body(self) -> bytes:
-        return self._raw
-
-    async def json(self) -> Any:
-        return self._decoded
-
-
-async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise _too_large()
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY:
-            raise _too_large()
-    return bytes(body)
-
-
-def _too_large() -> OpenAIError:
-    return OpenAIError(413, f"Request body too large: the limit is {MAX_BODY} bytes.")
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """Decode a request body as strict JSON (any value: the model says it must be an object)."""
-    try:
-        return json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):  # also bad UTF-8, NaN/Infinity, 5000-digit integers
-        raise OpenAIError(
-            400,
-            "We could not parse the JSON body of your request. (HINT: This likely means you "
-            "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload, "
-            "but what was sent was not valid JSON.)",
-        ) from None
