@@ -76,10 +76,20 @@ class AsyncioDriver:
             return _rest(cycle, reset, None, None, exc)
         if step is _DONE:
             # It never yielded: nothing was watched, nothing to wait for (unless the app read a
-            # disconnect itself in that step: then the rest is the slow path's).
-            if cycle.loop is None:  # (the cycle fires the token only through its loop)
+            # disconnect itself in that step, or it was cancelled by id: then the rest is the
+            # slow path's).
+            done: AsyncioLoop | None = cycle.loop  # type: ignore[assignment]
+            if done is None:  # (the cycle fires the token only through its loop)
                 cycle.finished()
                 unbind(reset)
+                return None
+            if not cycle.token.cancelled and done.watcher is None and not done.spawned:
+                # A tracked request (an id, a deadline) has its loop from the start: ended
+                # here too (its timer cancelled, its id unregistered), without the slow path.
+                cycle.finished()
+                done.close()
+                unbind(reset)
+                cycle.loop = done.task = None  # type: ignore[assignment]
                 return None
             return _rest(cycle, reset, None, None, None)
         loop: AsyncioLoop = cycle.attached()  # type: ignore[assignment]

@@ -121,6 +121,9 @@ class CancelRegistry:
         entries = self._requests.get(request_id)
         if entries is None:
             return
+        if len(entries) == 1 and entries[0][0] is cycle:  # the usual case: one request per id
+            del self._requests[request_id]
+            return
         remaining = [entry for entry in entries if entry[0] is not cycle]
         if remaining:
             self._requests[request_id] = remaining

@@ -110,13 +110,12 @@ class Tracking:
         token = cycle.token
         id_header = self.id_header
         timeout_header = self.timeout_header
-        request_id: str | None = None
-        budget: bytes | None = None
-        for name, value in scope.get("headers", ()):
-            if name == id_header:
-                request_id = value.decode("latin-1").strip()
-            elif name == timeout_header:
-                budget = value
+        # One dict built in C rather than a Python loop over the headers (the last of a
+        # repeated header wins, as in the loop it replaces).
+        headers = dict(scope.get("headers", ()))
+        raw_id: bytes | None = headers.get(id_header) if id_header is not None else None
+        request_id = raw_id.decode("latin-1").strip() if raw_id is not None else None
+        budget: bytes | None = headers.get(timeout_header) if timeout_header is not None else None
         if id_header is not None:
             if not request_id or len(request_id) > MAX_ID_LENGTH or not request_id.isprintable():
                 request_id = new_request_id()

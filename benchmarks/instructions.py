@@ -40,6 +40,8 @@ WARM_UP = 300
 # requests that cross it under callgrind are those that would at full speed (none of these).
 # Unscaled, the count depended on the machine's load (a loaded run watched some requests).
 CALLGRIND_SLOWDOWN = 2.14
+OPTION_ENV = "BENCH_MIDDLEWARE_OPTION"  # "registry" (ids) or "timeout" (a 30 s deadline)
+OPTIONS = ("registry", "timeout")
 
 _START = {
     "type": "http.response.start",
@@ -69,7 +71,15 @@ def build_app(row: str, wrap: str, watch_delay: float | None = None) -> Any:
         if watch_delay is None:
             default = inspect.signature(CancelOnDisconnectMiddleware).parameters["watch_delay"]
             watch_delay = default.default * CALLGRIND_SLOWDOWN
-        app = CancelOnDisconnectMiddleware(app, watch_delay=watch_delay)
+        extra: dict[str, Any] = {}
+        option = os.environ.get(OPTION_ENV, "")
+        if option == "registry":
+            from asgi_cancel import CancelRegistry
+
+            extra["registry"] = CancelRegistry()
+        elif option == "timeout":
+            extra["timeout"] = 30.0
+        app = CancelOnDisconnectMiddleware(app, watch_delay=watch_delay, **extra)
     return app
 
 
@@ -145,6 +155,7 @@ def measure(
     folder: Path,
     watch_delay: float | None = None,
     python: str = sys.executable,
+    option: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], Path, int]:
     port = free_port()
     out = folder / f"{row}-{wrap}.out"
@@ -157,7 +168,7 @@ def measure(
         *("-m", "benchmarks.instructions", "serve", row, wrap, str(port)),
         *(() if watch_delay is None else (str(watch_delay),)),
     ]
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "PYTHONHASHSEED": "0", OPTION_ENV: option or ""}
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -205,6 +216,7 @@ def run(
     keep: Path | None = None,
     watch_delay: float | None = None,
     connections: int = 1,
+    option: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Instructions per request for every row, bare and wrapped; the two columns of a row run
     in parallel (callgrind counts do not depend on load). `keep`: a folder for the callgrind
@@ -216,7 +228,9 @@ def run(
         folder = Path(name) if keep is None else keep
         folder.mkdir(parents=True, exist_ok=True)
         for row in rows:
-            started = [measure(row, wrap, requests, folder, watch_delay) for wrap in WRAPS]
+            started = [
+                measure(row, wrap, requests, folder, watch_delay, option=option) for wrap in WRAPS
+            ]
             errors: list[BaseException] = []
 
             def client(port: int, errors: list[BaseException] = errors) -> None:
@@ -287,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="the middleware's option (default: its default x CALLGRIND_SLOWDOWN)",
     )
+    parser.add_argument(
+        "--option", choices=OPTIONS, default=None, help="a middleware option to turn on"
+    )
     parsed = parser.parse_args(args)
     emit(
         render(
@@ -296,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                 parsed.keep,
                 parsed.watch_delay,
                 parsed.connections,
+                parsed.option,
             )
         )
     )
