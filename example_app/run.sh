@@ -17,7 +17,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
 fi
-if ! "$VENV/bin/python" -c 'import asgi_cancel, starlette, hypercorn, uvicorn, openai, httpx, matplotlib' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import asgi_cancel, fastapi, pydantic, starlette, hypercorn, uvicorn, openai, httpx, matplotlib, prometheus_client' 2>/dev/null; then
     echo "run.sh: installing asgi-cancel with the example's dependencies into $VENV" >&2
     "$VENV/bin/python" -m pip install --quiet -e "$ROOT[example]"
 fi
