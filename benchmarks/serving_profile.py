@@ -1,6 +1,6 @@
 """Where the vLLM server's CPU goes, without and with the middleware: py-spy on both servers.
 
-`python -m benchmarks.serving_profile [--concurrency 8] [--prompts 128] [--reps 2]`
+`python -m benchmarks.serving_profile [--concurrency 8] [--prompts 128] [--reps 2] [--layout ab]`
 
 Starts the vLLM target's two servers (as `python -m benchmarks serving` does), samples each API
 server process with py-spy (`record --format raw`: collapsed stacks, only threads on a CPU)
@@ -8,7 +8,11 @@ while `vllm bench serve` runs against them in alternation, and reports, per vari
 process's CPU per request, py-spy's samples per request, the share of samples whose stack holds
 an `asgi_cancel` frame, and the functions whose own samples per request differ most. py-spy
 comes from PyPI into the AIPerf venv (`pip install py-spy`); the output goes to
-benchmarks/results/serving_profile.json.
+benchmarks/results/serving_profile.json (serving_profile-LAYOUT.json for another layout).
+
+`--layout`: `ab` starts the server without the middleware first (the default), `ba` the one
+with it first, `aa` two servers without it (an A/A control, labelled `without` and `with`
+in the output although neither has the middleware).
 """
 
 from __future__ import annotations
@@ -48,18 +52,26 @@ def parse(path: Path) -> tuple[int, Counter[str], int]:
     return total, own, with_middleware
 
 
-def run(concurrency: int, prompts: int, reps: int) -> dict[str, Any]:
+LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "ab": (("without", "without"), ("with", "with")),
+    "ba": (("with", "with"), ("without", "without")),
+    "aa": (("without", "without"), ("with", "without")),
+}
+
+
+def run(concurrency: int, prompts: int, reps: int, layout: str = "ab") -> dict[str, Any]:
     ensure_model()
     settings = replace(FULL, bench_prompts={concurrency: prompts})
     result: dict[str, Any] = {
         "concurrency": concurrency,
         "prompts": prompts,
         "reps": reps,
+        "layout": layout,
         "load_before": loadavg(),
     }
     with tempfile.TemporaryDirectory(prefix="asgi-cancel-profile-") as scratch:
         work = Path(scratch)
-        with engine_lock(False), Pair("vllm", work / "logs") as pair:
+        with engine_lock(False), Pair("vllm", work / "logs", LAYOUTS[layout]) as pair:
             spies = {
                 variant: subprocess.Popen(
                     [
@@ -125,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="ab")
     args = parser.parse_args(argv)
-    result = run(args.concurrency, args.prompts, args.reps)
+    result = run(args.concurrency, args.prompts, args.reps, args.layout)
     for variant in VARIANTS:
         data = result[variant]
         emit(
@@ -138,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     emit("functions (own samples per request, without -> with), most added first:")
     for name, before, after in result["most_added"]:
         emit(f"  {before:8.2f} -> {after:8.2f}  {name}")
-    save("serving_profile", result, quick=False)
+    save(
+        "serving_profile" + ("" if args.layout == "ab" else f"-{args.layout}"), result, quick=False
+    )
 
 
 if __name__ == "__main__":

@@ -255,13 +255,26 @@ class Target:
             self.process.stop()
 
 
-class Pair:
-    """The target without and with the middleware, started one after the other, stopped both."""
+DEFAULT_LAYOUT = tuple((variant, variant) for variant in VARIANTS)
 
-    def __init__(self, target: str, logs: Path) -> None:
+
+class Pair:
+    """The target without and with the middleware, started one after the other, stopped both.
+
+    `layout`: (label, variant) per server, in start order; the default is without, then with.
+    `benchmarks.serving_profile --layout` also starts with first (ba) or two servers without
+    (aa, an A/A control: what two identical servers differ by on this machine).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        logs: Path,
+        layout: tuple[tuple[str, str], ...] = DEFAULT_LAYOUT,
+    ) -> None:
         self.servers = {
-            variant: Target(target, variant, logs / f"{target}-{variant}.log")
-            for variant in VARIANTS
+            label: Target(target, variant, logs / f"{target}-{label}.log")
+            for label, variant in layout
         }
 
     def __enter__(self) -> Pair:
