@@ -64,7 +64,8 @@ def app_with_work_after_the_response(events: list[Any]) -> Any:
     return app
 
 
-async def test_a_final_send_that_never_returns_is_cancelled_after_grace() -> None:
+async def run(returns_after: float | None) -> tuple[list[Any], list[tuple[str, bool]], bytes]:
+    """The app's events, the on_cancelled reports and the body the server was handed."""
     events: list[Any] = []
     reports: list[tuple[str, bool]] = []
     middleware = CancelOnDisconnectMiddleware(
@@ -74,27 +75,21 @@ async def test_a_final_send_that_never_returns_is_cancelled_after_grace() -> Non
             (report["reason"], report["response_started"])
         ),
     )
-    connection = FinalSendInFlight(returns_after=None)
+    connection = FinalSendInFlight(returns_after)
     with anyio.fail_after(WATCHDOG):
         await connection.run(middleware)
+    return events, reports, connection.body
+
+
+async def test_a_final_send_that_never_returns_is_cancelled_after_grace() -> None:
+    events, reports, body = await run(returns_after=None)
     cancelled = anyio.get_cancelled_exc_class().__name__
     assert events == [("send raised", cancelled, "client disconnected")]
     assert reports == [("client disconnected", True)]
-    assert connection.body == b"done"  # handed to the server; it never reached the client
+    assert body == b"done"  # handed to the server; it never reached the client
 
 
 async def test_a_final_send_that_returns_within_grace_is_the_normal_end() -> None:
-    events: list[Any] = []
-    reports: list[tuple[str, bool]] = []
-    middleware = CancelOnDisconnectMiddleware(
-        app_with_work_after_the_response(events),
-        grace=GRACE,
-        on_cancelled=lambda scope, **report: reports.append(
-            (report["reason"], report["response_started"])
-        ),
-    )
-    connection = FinalSendInFlight(returns_after=GRACE / 5)
-    with anyio.fail_after(WATCHDOG):
-        await connection.run(middleware)
+    events, reports, _ = await run(returns_after=GRACE / 5)
     assert events == ["send returned", ("work done", False)]
     assert reports == []
