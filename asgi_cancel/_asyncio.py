@@ -99,13 +99,13 @@ class AsyncioDriver:
             steps = coroutine
         loop.app_awaitable = steps
         delay = self.options.watch_delay
+        # An empty context: the watcher must not carry one request's context variables (a
+        # request id in a log line) into code that runs for it. Shared: callbacks never nest.
         if delay:
             loop.watch_timer = loop.task.get_loop().call_later(
                 delay, loop.start_watching, context=_NO_CONTEXT
             )
         else:
-            # An empty context, as the sweeper's: the watcher must not carry one request's
-            # context variables (a request id in a log line) into code that runs for it.
             _NO_CONTEXT.run(loop.start_watching)
         return _rest(cycle, reset, steps, step, None)
 
