@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -35,11 +34,16 @@ import anyio.to_thread
 
 from asgi_cancel import CancelOnDisconnectMiddleware
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from .asgi_parts import (
+    ASGIApp,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    respond,
+    rss_kib,
+    serve_lifespan,
+)
 
 EVENTS_ENV = "ASGI_CANCEL_EVENTS"
 CHUNK = b"chunk\n"
@@ -60,20 +64,6 @@ def record(request_id: str, event: str, **fields: Any) -> None:
         _fd = os.open(os.environ[EVENTS_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     line = json.dumps({"id": request_id, "event": event, "t": now, **fields})
     os.write(_fd, line.encode() + b"\n")
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return -1
-
-
-async def respond(send: Send, body: bytes) -> None:
-    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def gate() -> asyncio.Event:
@@ -133,13 +123,7 @@ async def endpoint(scope: Scope, receive: Receive, send: Send, rid: str) -> None
             more_body = message.get("more_body", False)
         await respond(send, f"{length} {digest.hexdigest()}".encode())
     elif path == "/echo":
-        body = b""
-        more_body = True
-        while more_body:
-            message = await receive()
-            body += message.get("body", b"")
-            more_body = message.get("more_body", False)
-        await respond(send, body)
+        await respond(send, await read_body(receive))
     elif path == "/open":
         gate().set()
         await respond(send, b"open")
@@ -152,13 +136,8 @@ async def endpoint(scope: Scope, receive: Receive, send: Send, rid: str) -> None
 
 async def inflight(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await serve_lifespan(receive, send)
+        return
     rid = parse_qs(scope.get("query_string", b"").decode()).get("id", ["-"])[0]
     record(rid, "start")
     try:

@@ -15,55 +15,25 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 from urllib.parse import parse_qs
 
 from asgi_cancel import CancelOnDisconnectMiddleware
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return -1
+from .asgi_parts import Receive, Scope, Send, read_body, respond, rss_kib, serve_lifespan
 
 
 def chunk(index: int) -> bytes:
     return b"%05d\n" % index
 
 
-async def respond(send: Send, body: bytes, status: int = 200) -> None:
-    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 async def soak(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await serve_lifespan(receive, send)
+        return
     query = parse_qs(scope.get("query_string", b"").decode())
     path = scope["path"]
     if path == "/echo":
-        body = b""
-        more_body = True
-        while more_body:
-            message = await receive()
-            body += message.get("body", b"")
-            more_body = message.get("more_body", False)
-        await respond(send, body)
+        await respond(send, await read_body(receive))
     elif path == "/stream":
         await send({"type": "http.response.start", "status": 200, "headers": []})
         for index in range(int(query.get("n", ["50"])[0])):
