@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 
 from .app import Shutdown
-from .launch import HOST, PACKAGE_ROOT, ServerProcess, Subprocess, answers
+from .launch import HOST, ServerProcess, Subprocess, answers, example_app_env
 from .serve import SERVERS, add_cancel_arguments, check_port, run_hypercorn, run_uvicorn
 
 DEFAULT_BACKENDS = 2
@@ -134,15 +133,10 @@ class GatewayProcess(Subprocess):
                 command += ["--backend", url]
             return [*command, *gateway_args]
 
-        python_path = [str(PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
         super().__init__(
             argv,
             ready=answers("/health", timeout=1.0),
-            env={
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(python_path),
-                **(env or {}),
-            },
+            env=example_app_env(env),
             ready_timeout=ready_timeout,
         )
 

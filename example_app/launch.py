@@ -233,6 +233,17 @@ class Subprocess:
             self._temporary.cleanup()
 
 
+def example_app_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a `python -m example_app ...` subprocess gets: example_app importable
+    (it is not part of the installed wheel), output unbuffered, then `extra`."""
+    python_path = [str(PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(python_path),
+        **(extra or {}),
+    }
+
+
 class ServerProcess(Subprocess):
     """`python -m example_app serve` on 127.0.0.1, ready once `/health` answers.
 
@@ -256,15 +267,10 @@ class ServerProcess(Subprocess):
             command = [sys.executable, "-m", "example_app", "serve", "--host", HOST]
             return [*command, "--port", str(port), "--server", server, *serve_args]
 
-        python_path = [str(PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
         super().__init__(
             argv,
             ready=answers("/health", timeout=1.0),
-            env={
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(python_path),
-                **(env or {}),
-            },
+            env=example_app_env(env),
             ready_timeout=ready_timeout,
         )
         self.server = server
