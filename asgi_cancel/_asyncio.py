@@ -19,7 +19,7 @@ from typing import Any
 
 from ._asyncio_task import in_anyio_shield, reacting, thread_future
 from ._cycle import Cycle, Options, State, complete_cancelled, logger, new_cycle
-from ._token import CancelToken, bind, run_detached, unbind
+from ._token import TokenSource, bind, run_detached, unbind
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
@@ -65,8 +65,9 @@ class AsyncioDriver:
                 return refused
             tracked: AsyncioLoop = cycle.attached()  # type: ignore[assignment]
             tracked.track(self.tracking)
-        reset = bind(cycle.token)
-        coroutine: Any = self.app(scope, cycle.receive, cycle.send)
+        reset = bind(cycle)
+        app = self.app
+        coroutine: Any = app(scope, cycle.receive, cycle.send)
         # An iterator over the app's steps (a coroutine's wrapper): next() with a default ends
         # without raising StopIteration when the app returns None, ~0.8k instructions less.
         steps = coroutine.__await__()
@@ -83,7 +84,7 @@ class AsyncioDriver:
                 cycle.finished()
                 unbind(reset)
                 return None
-            if not cycle.token.cancelled and done.watcher is None and not done.spawned:
+            if not cycle.cancelled and done.watcher is None and not done.spawned:
                 # A tracked request (an id, a deadline) has its loop from the start: ended
                 # here too (its timer cancelled, its id unregistered), without the slow path.
                 cycle.finished()
@@ -113,7 +114,7 @@ class AsyncioDriver:
 @types.coroutine
 def _rest(
     cycle: Cycle,
-    reset: contextvars.Token[CancelToken],
+    reset: contextvars.Token[TokenSource],
     awaitable: Any,
     step: Any,
     error: BaseException | None,
@@ -124,7 +125,6 @@ def _rest(
     per resumption less than awaiting a helper): asyncio resumes a task with `send(None)` or
     `throw(exc)`; once resumed with None, the rest is a plain `yield from`.
     """
-    token = cycle.token
     outside = False
     try:
         if error is not None:
@@ -153,7 +153,7 @@ def _rest(
         if loop is not None and loop.cancel_issued:
             if _HAS_UNCANCEL and loop.task.uncancel():  # type: ignore[attr-defined,unused-ignore]
                 raise  # ours, and someone else's too
-        elif not token.cancelled or (_HAS_UNCANCEL and _current_task().cancelling()):
+        elif not cycle.cancelled or (_HAS_UNCANCEL and _current_task().cancelling()):
             outside = True  # not ours: server shutdown or an outer timeout
             raise
         # Otherwise the app raised it itself once the client had gone (raise_if_cancelled()
@@ -178,7 +178,7 @@ def _rest(
             if loop is not None:
                 # cycle <-> loop: broken here so that reference counting frees them.
                 cycle.loop = loop.task = None  # type: ignore[assignment]
-    if token.cancelled:
+    if cycle.cancelled:
         yield from complete_cancelled(cycle).__await__()
 
 
@@ -381,15 +381,12 @@ class AsyncioLoop:
 
 
 def _attach(cycle: Cycle) -> AsyncioLoop:
-    """A cycle's `AsyncioLoop`, made in the request's task (no `type.__call__`, no `__init__`:
-    ~0.5k instructions less per request that waits)."""
-    loop: AsyncioLoop = _new_object(AsyncioLoop)
+    """A cycle's `AsyncioLoop`, made in the request's task (the class has no `__init__`: its
+    fields are set here, the rare ones left to class-level defaults)."""
+    loop = AsyncioLoop()
     loop.cycle = cycle
     loop.task = _current_task()
     return loop
-
-
-_new_object = object.__new__
 
 
 async def _wait_out(tasks: list[asyncio.Task[Any]]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from time import monotonic
@@ -81,6 +82,7 @@ class Cycle:
     """
 
     __slots__ = (
+        "_token",
         "app_waiting",
         "attach",
         "body_complete",
@@ -99,7 +101,6 @@ class Cycle:
         "started_at",
         "state",
         "status",
-        "token",
     )
 
     scope: Scope
@@ -107,7 +108,7 @@ class Cycle:
     real_send: Send
     options: Options
     attach: Callable[[Cycle], Loop]
-    token: CancelToken
+    _token: CancelToken | None  # made on first use: most requests never need one
     state: State
     disconnect: Message | None
     first_sent: Message | None
@@ -123,6 +124,24 @@ class Cycle:
     buffered: int
     started_at: float
     status: int  # set by stop() only, read only after it
+
+    @property
+    def token(self) -> CancelToken:
+        """The request's token, made on first use (by the app's `current_token()`, possibly
+        in a worker thread, or by a cancellation)."""
+        token = self._token
+        if token is None:
+            with _MAKING_TOKEN:
+                token = self._token
+                if token is None:
+                    token = self._token = CancelToken()
+        return token
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the request's token fired (without making one)."""
+        token = self._token
+        return token is not None and token.cancelled
 
     def attached(self) -> Loop:
         """The request's `Loop`, attached on first need (a yield, a disconnect)."""
@@ -184,7 +203,8 @@ class Cycle:
         if self.first_sent is None:
             self.first_sent = message
         self.last_sent = message
-        sending = self.sending = self.real_send(message)
+        real_send = self.real_send  # (a slot read: `self.real_send(...)` is not specialised)
+        sending = self.sending = real_send(message)
         return sending
 
     def wake(self) -> None:
@@ -218,7 +238,9 @@ class Cycle:
     def finished(self) -> None:
         """The app returned: what a late `receive()` or `send()` meets from now on."""
         self.state = _FINISHED
-        self.token.release()
+        token = self._token
+        if token is not None:
+            token.release()
         if self.disconnect is None:
             self.disconnect = REQUEST_OVER  # a late receive() gets it, a send drops
 
@@ -361,21 +383,22 @@ REQUEST_OVER: Message = {"type": "http.disconnect"}
 # still there, and gets the middleware's response).
 STOPPED: Message = {"type": "http.disconnect"}
 _LAST_TRAILERS: Message = {"type": "http.response.trailers", "headers": [], "more_trailers": False}
-_new_object = object.__new__
+_MAKING_TOKEN = threading.Lock()
 
 
 def new_cycle(
     scope: Scope, receive: Receive, send: Send, options: Options, attach: Callable[[Cycle], Loop]
 ) -> Cycle:
-    """A new `Cycle`: its constructor, as a function because `type.__call__` and a Python
-    `__init__` called from C cost ~1k instructions per request, a tenth of the whole budget."""
-    cycle: Cycle = _new_object(Cycle)
+    """A new `Cycle`: its constructor, as a function because a Python `__init__` called from C
+    costs ~1k instructions per request, a tenth of the whole budget. (`started_at` is set by
+    `attached()`, `status` by `stop()`: only what reads them follows those.)"""
+    cycle: Cycle = Cycle()
     cycle.scope = scope
     cycle.real_receive = receive
     cycle.real_send = send
     cycle.options = options
     cycle.attach = attach
-    cycle.token = _new_object(CancelToken)  # (it has no __init__)
+    cycle._token = None
     cycle.state = _READING_BODY
     cycle.disconnect = None
     cycle.first_sent = None
@@ -386,7 +409,6 @@ def new_cycle(
     cycle.app_waiting = 0
     cycle.buffer = None
     cycle.buffered = 0
-    cycle.started_at = 0.0
     return cycle
 
 

@@ -21,7 +21,17 @@ __all__ = ["CancelToken", "Canceller", "current_token", "detach", "shield"]
 
 logger = logging.getLogger("asgi_cancel")
 
-_current: contextvars.ContextVar[CancelToken] = contextvars.ContextVar("asgi_cancel_token")
+
+class TokenSource(Protocol):
+    """What the context variable holds for a request: whatever makes its token on first use
+    (the middleware's per-request cycle; most requests never ask for their token)."""
+
+    @property
+    def token(self) -> CancelToken:
+        """The request's token, the same one every time."""
+
+
+_current: contextvars.ContextVar[TokenSource] = contextvars.ContextVar("asgi_cancel_token")
 
 
 class Canceller(Protocol):
@@ -267,15 +277,22 @@ def run_detached(awaitable: Awaitable[object]) -> None:
     task.add_done_callback(_detached.discard)
 
 
-# Make a token the current one for the request's task; `unbind(reset)` undoes it. The
-# contextvar's own methods: no Python frame on the per-request path.
-bind: Callable[[CancelToken], contextvars.Token[CancelToken]] = _current.set
-unbind: Callable[[contextvars.Token[CancelToken]], None] = _current.reset
+# Make a request's token source the current one for its task; `unbind(reset)` undoes it.
+# The contextvar's own methods: no Python frame on the per-request path.
+bind: Callable[[TokenSource], contextvars.Token[TokenSource]] = _current.set
+unbind: Callable[[contextvars.Token[TokenSource]], None] = _current.reset
 
 
 def token_in(context: contextvars.Context) -> CancelToken | None:
     """The token current in `context` (a task's), if any."""
-    return context.get(_current)
+    source = context.get(_current)
+    return None if source is None else source.token
+
+
+def find_token() -> CancelToken | None:
+    """The token of the request being handled, or None outside a request."""
+    source = _current.get(None)
+    return None if source is None else source.token
 
 
 def current_token() -> CancelToken:
@@ -288,13 +305,14 @@ def current_token() -> CancelToken:
         RuntimeError: called outside a request handled by `CancelOnDisconnectMiddleware`.
     """
     try:
-        return _current.get()
+        source = _current.get()
     except LookupError:
         raise RuntimeError(
             "current_token() was called outside a request handled by "
             "CancelOnDisconnectMiddleware (is the middleware installed, and is this code "
             "running in the request's context?)"
         ) from None
+    return source.token
 
 
 @contextmanager
@@ -311,7 +329,7 @@ def shield() -> Iterator[CancelToken | None]:
     Yields:
         The request's token, or None outside a request.
     """
-    token = _current.get(None)
+    token = find_token()
     if token is None:
         yield None
         return
@@ -349,7 +367,7 @@ class detach(ContextDecorator):  # lower case: used like shield(), a function-li
     """
 
     def __enter__(self) -> CancelToken | None:
-        token = _current.get(None)
+        token = find_token()
         if token is not None:
             token._detached = True
         return token

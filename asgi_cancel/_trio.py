@@ -43,7 +43,7 @@ class TrioDriver:
             tracking.register(cycle, trio.lowlevel.current_trio_token().run_sync_soon)
         loop: TrioLoop = cycle.attached()  # type: ignore[assignment]
         token = cycle.token
-        reset = bind(token)
+        reset = bind(cycle)
         error: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:

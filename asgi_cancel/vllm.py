@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
-from ._token import CancelToken, _current
+from ._token import CancelToken, find_token
 
 __all__ = ["EngineClient", "abort_on_cancel", "generate"]
 
@@ -102,7 +102,7 @@ async def _aborting(
     for request_id in request_ids:
         if not isinstance(request_id, str):
             raise TypeError(f"request ids must be str, got {request_id!r}")
-    token = _current.get(None)
+    token = find_token()
     if token is None or not request_ids:
         yield token, None
         return

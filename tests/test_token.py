@@ -331,3 +331,35 @@ async def test_failing_async_callback_is_logged_not_raised(
             conn.disconnect()
     assert escaped == [None]
     assert any("on_cancel task failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_token_made_on_first_use_is_one_token_across_threads() -> None:
+    """The token is made on first use: threads asking for it at the same moment all get the
+    one token that the disconnect fires (not one each, of which only one would fire)."""
+    threads = 8
+    barrier = threading.Barrier(threads)
+    seen: list[CancelToken] = []
+
+    def ask() -> None:
+        barrier.wait(timeout=5)
+        seen.append(current_token())
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        context = contextvars.copy_context()
+        workers = [threading.Thread(target=context.copy().run, args=(ask,)) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            await anyio.to_thread.run_sync(worker.join, 5)
+        await anyio.sleep(30)
+
+    conn = ClientConnection()
+    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app, watch_delay=0)))
+    await until(lambda: len(seen) == threads)
+    await until(lambda: conn.receive_calls >= 2)
+    conn.disconnect()
+    await with_watchdog(task)
+    assert len({id(token) for token in seen}) == 1
+    assert seen[0].cancelled
+    assert seen[0].reason == "client disconnected"
