@@ -82,7 +82,6 @@ class Cycle:
     """
 
     __slots__ = (
-        "_token",
         "app_waiting",
         "attach",
         "body_complete",
@@ -101,6 +100,7 @@ class Cycle:
         "started_at",
         "state",
         "status",
+        "token_if_made",
     )
 
     scope: Scope
@@ -108,7 +108,7 @@ class Cycle:
     real_send: Send
     options: Options
     attach: Callable[[Cycle], Loop]
-    _token: CancelToken | None  # made on first use: most requests never need one
+    token_if_made: CancelToken | None  # made on first use (`token`): most requests never need one
     state: State
     disconnect: Message | None
     first_sent: Message | None
@@ -129,18 +129,18 @@ class Cycle:
     def token(self) -> CancelToken:
         """The request's token, made on first use (by the app's `current_token()`, possibly
         in a worker thread, or by a cancellation)."""
-        token = self._token
+        token = self.token_if_made
         if token is None:
             with _MAKING_TOKEN:
-                token = self._token
+                token = self.token_if_made
                 if token is None:
-                    token = self._token = CancelToken()
+                    token = self.token_if_made = CancelToken()
         return token
 
     @property
     def cancelled(self) -> bool:
         """Whether the request's token fired (without making one)."""
-        token = self._token
+        token = self.token_if_made
         return token is not None and token.cancelled
 
     def attached(self) -> Loop:
@@ -238,7 +238,7 @@ class Cycle:
     def finished(self) -> None:
         """The app returned: what a late `receive()` or `send()` meets from now on."""
         self.state = _FINISHED
-        token = self._token
+        token = self.token_if_made
         if token is not None:
             token.release()
         if self.disconnect is None:
@@ -398,7 +398,7 @@ def new_cycle(
     cycle.real_send = send
     cycle.options = options
     cycle.attach = attach
-    cycle._token = None
+    cycle.token_if_made = None
     cycle.state = _READING_BODY
     cycle.disconnect = None
     cycle.first_sent = None
