@@ -217,6 +217,7 @@ def run(
     watch_delay: float | None = None,
     connections: int = 1,
     option: str | None = None,
+    python: str = sys.executable,
 ) -> dict[str, dict[str, float]]:
     """Instructions per request for every row, bare and wrapped; the two columns of a row run
     in parallel (callgrind counts do not depend on load). `keep`: a folder for the callgrind
@@ -229,7 +230,7 @@ def run(
         folder.mkdir(parents=True, exist_ok=True)
         for row in rows:
             started = [
-                measure(row, wrap, requests, folder, watch_delay, option=option) for wrap in WRAPS
+                measure(row, wrap, requests, folder, watch_delay, python, option) for wrap in WRAPS
             ]
             errors: list[BaseException] = []
 
@@ -304,6 +305,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--option", choices=OPTIONS, default=None, help="a middleware option to turn on"
     )
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter that runs uvicorn (its environment needs uvicorn, httptools, "
+        "uvloop and asgi-cancel); default: this one",
+    )
     parsed = parser.parse_args(args)
     emit(
         render(
@@ -314,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
                 parsed.watch_delay,
                 parsed.connections,
                 parsed.option,
+                parsed.python,
             )
         )
     )
