@@ -62,7 +62,12 @@ def build_app(row: str, wrap: str, watch_delay: float | None = None) -> Any:
         await send(dict(_START))
         await send(dict(_BODY))
 
-    app: Any = hello if row == "hello" else sleep
+    return wrapped(hello if row == "hello" else sleep, wrap, watch_delay)
+
+
+def wrapped(app: Any, wrap: str, watch_delay: float | None = None) -> Any:
+    """`app` as the column `wrap` runs it: bare, or in the middleware (with the option the
+    environment names)."""
     if wrap == "asgi-cancel":
         import inspect
 
@@ -114,6 +119,88 @@ def serve(row: str, wrap: str, port: int, watch_delay: float | None = None) -> N
     )
     server = uvicorn.Server(config)
     server.run()
+
+
+def loop(row: str, wrap: str, requests: int) -> None:
+    """The in-process mode's child: no server, no sockets. A task per request (as a server
+    makes one), the app's `send` a no-op coroutine; the awaiting row awaits a future set on the
+    next loop iteration (no timer of its own). It reproduces uvicorn's added instructions to
+    ~0.2k in ~6 s, which makes it the loop for trying one change at a time."""
+    import uvloop
+
+    async def awaits(scope: Any, receive: Any, send: Any) -> None:
+        running = asyncio.get_running_loop()
+        future = running.create_future()
+        running.call_soon(future.set_result, None)
+        await future
+        await send(dict(_START))
+        await send(dict(_BODY))
+
+    app = build_app(row, wrap) if row == "hello" else wrapped(awaits, wrap)
+    request: dict[str, Any] = {"type": "http.request", "body": b"", "more_body": False}
+
+    async def receive() -> dict[str, Any]:
+        return request
+
+    async def send(message: Any) -> None:
+        pass
+
+    async def one() -> None:
+        await app({"type": "http", "path": "/", "method": "GET", "headers": []}, receive, send)
+
+    async def main() -> None:
+        running = asyncio.get_running_loop()
+        for _ in range(WARM_UP):
+            await running.create_task(one())
+        os.getppid()  # callgrind --dump-before=getppid: part 2 is exactly the requests
+        for _ in range(requests):
+            await running.create_task(one())
+        os.getppid()
+
+    uvloop.run(main())
+
+
+def run_in_process(
+    requests: int = REQUESTS, rows: tuple[str, ...] = tuple(ROWS), python: str = sys.executable
+) -> dict[str, dict[str, float]]:
+    """Instructions per request in the in-process loop (`loop()`), bare and wrapped."""
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="asgi-cancel-loop-instr-") as name:
+        for row in rows:
+            started = []
+            for wrap in WRAPS:
+                out = Path(name) / f"{row}-{wrap}.out"
+                command = [
+                    "valgrind",
+                    "--tool=callgrind",
+                    "--dump-before=getppid",
+                    f"--callgrind-out-file={out}",
+                    python,
+                    *("-m", "benchmarks.instructions", "loop", row, wrap, str(requests)),
+                ]
+                env = {**os.environ, "PYTHONHASHSEED": "0"}
+                started.append(
+                    (
+                        wrap,
+                        out,
+                        subprocess.Popen(
+                            command,
+                            cwd=ROOT,
+                            env=env,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE,
+                        ),
+                    )
+                )
+            results[row] = {}
+            for wrap, out, process in started:
+                _stdout, stderr = process.communicate(timeout=600)
+                if process.returncode != 0:
+                    raise RuntimeError(
+                        f"callgrind loop {row}/{wrap} failed:\n{stderr.decode()[-2000:]}"
+                    )
+                results[row][wrap] = _totals(Path(f"{out}.2")) / requests
+    return results
 
 
 # -- client side (this process, not counted) --------------------------------------------------
@@ -287,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     if args and args[0] == "serve":
         serve(args[1], args[2], int(args[3]), float(args[4]) if len(args) > 4 else None)
         return
+    if args and args[0] == "loop":
+        loop(args[1], args[2], int(args[3]))
+        return
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
@@ -311,7 +401,16 @@ def main(argv: list[str] | None = None) -> None:
         help="the interpreter that runs uvicorn (its environment needs uvicorn, httptools, "
         "uvloop and asgi-cancel); default: this one",
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="count in a loop without a server (~6 s; for trying changes), not inside uvicorn",
+    )
     parsed = parser.parse_args(args)
+    if parsed.in_process:
+        results = run_in_process(parsed.requests, tuple(parsed.rows), parsed.python)
+        emit(render(results).replace("uvicorn (httptools, uvloop)", "in process (uvloop)"))
+        return
     emit(
         render(
             run(

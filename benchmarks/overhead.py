@@ -6,6 +6,8 @@ baseline, next variant, ... and each variant's ratio is taken against the baseli
 before it, in the same interpreter group (3.11: the dev venv; 3.12: fastapi-disconnect's venv;
 bare ASGI). The ratios' medians over the repetitions are what the tables quote. Server CPU per
 request is the server process's utime+stime delta over the run divided by wrk's request count.
+Instructions per request (callgrind, deterministic): every variant in process, and the bare ASGI
+app that never awaits and one that awaits 1 ms inside uvicorn (`benchmarks.instructions`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from ._util import (
     table,
 )
 from .alternatives import VARIANTS
+from .instructions import render as render_instructions
+from .instructions import run as instructions_in_uvicorn
 from .serve import SERVERS, Server, Servers, python_for
 
 GROUPS: dict[str, list[str]] = {
@@ -215,6 +219,7 @@ def run(quick: bool) -> dict[str, Any]:
     emit("overhead: in-process microbenchmark")
     inproc = run_inproc(groups, requests, rounds, quick)
     instructions: dict[str, Any] = {}
+    uvicorn_instructions: dict[str, Any] = {}
     if quick:
         skipped["callgrind"] = "left out of --quick"
     elif not callgrind_available():
@@ -228,6 +233,8 @@ def run(quick: bool) -> dict[str, Any]:
             },
             CALLGRIND_REQUESTS,
         )
+        emit("overhead: instructions per request inside uvicorn under callgrind")
+        uvicorn_instructions = instructions_in_uvicorn()
     servers: dict[str, Any] = {}
     if shutil.which("wrk") is None:
         skipped["servers"] = "wrk is not installed (apt-get install wrk)"
@@ -257,6 +264,7 @@ def run(quick: bool) -> dict[str, Any]:
         "skipped": skipped,
         "inproc": inproc,
         "instructions": instructions,
+        "uvicorn_instructions": uvicorn_instructions,
         "servers": servers,
     }
     save("overhead", data, quick=quick)
@@ -334,6 +342,12 @@ def render(data: dict[str, Any]) -> str:
             rows,
         )
     )
+    if data.get("uvicorn_instructions"):
+        parts.append(
+            "\n**inside uvicorn** (httptools, uvloop; `python -m benchmarks.instructions`), "
+            "bare ASGI apps, 2,000 keep-alive requests\n"
+        )
+        parts.append(render_instructions(data["uvicorn_instructions"]))
     for name, why in data.get("skipped", {}).items():
         parts.append(f"\nskipped {name}: {why}")
     return "\n".join(parts)
