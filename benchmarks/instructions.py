@@ -170,14 +170,7 @@ def run_in_process(
             started = []
             for wrap in WRAPS:
                 out = Path(name) / f"{row}-{wrap}.out"
-                command = [
-                    "valgrind",
-                    "--tool=callgrind",
-                    "--dump-before=getppid",
-                    f"--callgrind-out-file={out}",
-                    python,
-                    *("-m", "benchmarks.instructions", "loop", row, wrap, str(requests)),
-                ]
+                command = _under_callgrind(out, python, "loop", row, wrap, str(requests))
                 env = {**os.environ, "PYTHONHASHSEED": "0"}
                 started.append(
                     (
@@ -246,15 +239,8 @@ def measure(
 ) -> tuple[subprocess.Popen[bytes], Path, int]:
     port = free_port()
     out = folder / f"{row}-{wrap}.out"
-    command = [
-        "valgrind",
-        "--tool=callgrind",
-        "--dump-before=getppid",
-        f"--callgrind-out-file={out}",
-        python,
-        *("-m", "benchmarks.instructions", "serve", row, wrap, str(port)),
-        *(() if watch_delay is None else (str(watch_delay),)),
-    ]
+    delay = () if watch_delay is None else (str(watch_delay),)
+    command = _under_callgrind(out, python, "serve", row, wrap, str(port), *delay)
     env = {**os.environ, "PYTHONHASHSEED": "0", OPTION_ENV: option or ""}
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -288,6 +274,19 @@ def drive(port: int, requests: int, connections: int = 1) -> None:
         for other in others:
             other.close()
         _request(sock, "/__exit")
+
+
+def _under_callgrind(out: Path, python: str, *child: str) -> list[str]:
+    """This module's child mode `child` under callgrind; part 2 of `out` is what lies between
+    the child's two `os.getppid()` marks."""
+    return [
+        "valgrind",
+        "--tool=callgrind",
+        "--dump-before=getppid",
+        f"--callgrind-out-file={out}",
+        python,
+        *("-m", "benchmarks.instructions", *child),
+    ]
 
 
 def _totals(path: Path) -> int:
@@ -409,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     parsed = parser.parse_args(args)
     if parsed.in_process:
         results = run_in_process(parsed.requests, tuple(parsed.rows), parsed.python)
-        emit(render(results).replace("uvicorn (httptools, uvloop)", "in process (uvloop)"))
+        text = render(results).replace("uvicorn (httptools, uvloop)", "in process (uvloop)")
+        emit(text.replace(ROWS["sleep"], "awaits a future set on the next loop iteration"))
         return
     emit(
         render(
