@@ -117,3 +117,18 @@ def test_memory_quick_writes_tables_and_plot(tmp_path: Path) -> None:
     tables = render(tmp_path)
     assert "## memory" in tables
     assert_plot(tmp_path, "memory")
+
+
+@pytest.mark.parametrize("row", ["hello", "sleep"])
+@pytest.mark.parametrize("wrap", ["bare", "asgi-cancel"])
+def test_the_instruction_counting_loop_runs(row: str, wrap: str) -> None:
+    """`python -m benchmarks.instructions --in-process` runs this child under callgrind; here
+    without it (valgrind is optional), so that a broken harness shows in CI."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.instructions", "loop", row, wrap, "50"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
