@@ -18,7 +18,7 @@ from time import monotonic
 from typing import Any
 
 from ._asyncio_task import in_anyio_shield, reacting, thread_future
-from ._cycle import REQUEST_OVER, Cycle, Loop, Options, State, complete_cancelled, logger
+from ._cycle import RELEASED, REQUEST_OVER, Cycle, Loop, Options, State, complete_cancelled, logger
 from ._token import TokenSource, bind, run_detached, unbind
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
@@ -109,6 +109,7 @@ class AsyncioDriver:
                     cycle.token_if_made.release()
                 if cycle.disconnect is None:
                     cycle.disconnect = REQUEST_OVER
+                cycle.real_receive = cycle.real_send = RELEASED
                 unbind(reset)
                 return None
             token = cycle.token_if_made
@@ -159,6 +160,7 @@ def _rest(
     `throw(exc)`; once resumed with None, the rest is a plain `yield from`.
     """
     outside = False
+    send = cycle.real_send  # (let go by finished(); a cancelled request's end still needs it)
     try:
         if error is not None:
             raise error
@@ -213,7 +215,7 @@ def _rest(
                 cycle.loop = loop.task = None  # type: ignore[assignment]
     token = cycle.token_if_made  # (not the `cancelled` property: a property costs ~0.6k)
     if token is not None and token.cancelled:
-        yield from complete_cancelled(cycle).__await__()
+        yield from complete_cancelled(cycle, send).__await__()
 
 
 class AsyncioLoop:

@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from time import monotonic
-from typing import Protocol
+from typing import Any, Protocol
 
 from ._report import report_cancelled
 from ._token import Canceller, CancelToken
@@ -236,13 +236,20 @@ class Cycle:
         return message_type in _COMPLETING
 
     def finished(self) -> None:
-        """The app returned: what a late `receive()` or `send()` meets from now on."""
+        """The app returned: what a late `receive()` or `send()` meets from now on.
+
+        The server's `receive` and `send` are let go: a finished cycle can outlive its request
+        in a context that copied the request's (uvicorn's keep-alive timer is armed inside the
+        final `send`), and through them it held the server's per-request objects in a
+        reference cycle: 10x the generation-0 collections under keep-alive load. A late call
+        never reaches them (the disconnect is set); `complete_cancelled()` is handed `send`."""
         self.state = _FINISHED
         token = self.token_if_made
         if token is not None:
             token.release()
         if self.disconnect is None:
             self.disconnect = REQUEST_OVER  # a late receive() gets it, a send drops
+        self.real_receive = self.real_send = RELEASED
 
     # -- the watcher ---------------------------------------------------------------------------
     async def watch(self) -> None:
@@ -416,6 +423,14 @@ async def _dropped() -> None:
     pass
 
 
+async def _released(*_: object) -> Message:
+    raise RuntimeError("asgi_cancel: the server's receive/send was let go: the request is over")
+
+
+# What a finished cycle holds instead of the server's `receive` and `send` (never called).
+RELEASED: Any = _released
+
+
 async def send_cancelled_response(scope: Scope, send: Send) -> None:
     """Complete a request the client left, that the app ended without a response: 499.
 
@@ -448,7 +463,7 @@ def error_response(status: int, message: str) -> tuple[Message, Message]:
     return start, {"type": "http.response.body", "body": body}
 
 
-async def complete_cancelled(cycle: Cycle) -> None:
+async def complete_cancelled(cycle: Cycle, send: Send) -> None:
     """The app of a cancelled request has ended: complete what the server still waits for.
 
     After a disconnect, a 499 if no response started (`send_cancelled_response`). After
@@ -456,7 +471,7 @@ async def complete_cancelled(cycle: Cycle) -> None:
     started, else the end of the started response (a final empty body; trailers if announced),
     so that the client sees a clean end rather than a connection reset.
     """
-    scope, send = cycle.scope, cycle.real_send
+    scope = cycle.scope
     if cycle.disconnect is not STOPPED:  # the client left (possibly after a stop)
         if cycle.first_sent is None:
             await send_cancelled_response(scope, send)

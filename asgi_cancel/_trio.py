@@ -83,7 +83,7 @@ class TrioDriver:
         if error is not None:
             raise error
         if token.cancelled:
-            await complete_cancelled(cycle)
+            await complete_cancelled(cycle, send)
 
 
 class TrioLoop:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable
 
 from asgi_cancel.testing import http_scope
@@ -110,3 +111,18 @@ async def run_capturing(
     except BaseException as exc:  # the test inspects it
         return exc
     return None
+
+
+class KeepAliveServer:
+    """A server's per-request object whose final `send` copies the current context, as
+    uvicorn's does when it arms its keep-alive timer (`loop.call_later()` inside that send)."""
+
+    def __init__(self) -> None:
+        self.kept: list[contextvars.Context] = []
+
+    async def receive(self) -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.kept.append(contextvars.copy_context())

@@ -16,6 +16,7 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Message, Receive, Scope, Send
 
 from .helpers import (
+    KeepAliveServer,
     read_body,
     run_capturing,
 )
@@ -229,3 +230,28 @@ def current_token_is_set() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server() -> None:
+    """As on asyncio (tests/test_cycle.py): the finished cycle lets the server's receive and
+    send go, so a context copied in the final send does not keep them."""
+    import gc
+    import weakref
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await trio.lowlevel.checkpoint()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = KeepAliveServer()
+    kept = server.kept
+    alive = weakref.ref(server)
+    gc.disable()
+    try:
+        with trio.fail_after(WATCHDOG):
+            await CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, server.send)
+        del server
+        assert len(kept) == 1
+        assert alive() is None
+    finally:
+        gc.enable()
