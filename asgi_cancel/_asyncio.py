@@ -43,7 +43,7 @@ _READING_BODY = State.READING_BODY
 _RESPONSE_COMPLETE = State.RESPONSE_COMPLETE
 _NO_CONTEXT = contextvars.Context()
 _NO_LOOP: Loop | None = None
-_DONE = object()  # what next() returns once the app's coroutine returned (no StopIteration)
+_DONE = object()  # the first step, when the app returned in it (no StopIteration)
 
 
 class AsyncioDriver:
@@ -89,11 +89,14 @@ class AsyncioDriver:
         reset = bind(cycle)
         app = self.app
         coroutine: Any = app(scope, cycle.receive, cycle.send)
-        # An iterator over the app's steps (a coroutine's wrapper): next() with a default ends
-        # without raising StopIteration when the app returns None, ~0.8k instructions less.
+        # An iterator over the app's steps (a coroutine's wrapper), stepped once by a for loop:
+        # when the app returns, the loop ends without a StopIteration raised (~0.9k
+        # instructions less than catching it, and ~0.1k less than `next(steps, default)`).
         steps = coroutine.__await__()
+        step = _DONE
         try:
-            step = next(steps, _DONE)
+            for step in steps:  # noqa: B007  (the first step only)
+                break
         except BaseException as exc:
             return _rest(cycle, reset, None, None, exc)
         if step is _DONE:
