@@ -87,8 +87,15 @@ def check_left_engine(server: EngineServer, request_id: str, closed_at: float) -
     )
     aborts = probe.aborts_of(request_id)
     assert aborts, "no abort reached the engine"
-    first_abort_at, _, internal = aborts[0]
-    assert not internal, "the first abort was vLLM's own, not the adapter's"
+    first_abort_at = aborts[0][0]
+    # The adapter's abort runs in a task spawned at the disconnect, before the app task is
+    # cancelled: it usually reaches the engine first. When an engine output had woken the app
+    # task in the same loop iteration as the disconnect, the app's step runs first, and
+    # vLLM's own abort (on its CancelledError) precedes the adapter's by that one step (seen
+    # once in CI). Either way the adapter's abort must come, at once.
+    adapters = [at for at, _, internal in aborts if not internal]
+    assert adapters, "the adapter's abort never reached the engine"
+    assert adapters[0] - fired < 0.5, (adapters[0] - fired, aborts)
     idle_at = probe.scheduler_idle_at(fired)
     assert idle_at is not None
     time.sleep(0.2)  # anything still generated shows up now
