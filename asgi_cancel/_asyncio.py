@@ -364,7 +364,7 @@ class AsyncioLoop:
             self.task.get_loop().call_soon(self._grace_over, hops - 1)
         elif cycle.state is _RESPONSE_COMPLETE:
             cycle.final_send_hung()
-        elif reacting(self.task, cycle.token):
+        elif reacting(self.task, cycle):
             # The app reacted by cancelling its own work (Django, Quart, Starlette's stream
             # listener): that cleanup is the app's, however long it takes. No second cancel.
             logger.debug("asgi_cancel: the app handles the disconnect itself")

@@ -8,7 +8,7 @@ import asyncio
 import sys
 from typing import Any
 
-from ._token import token_in
+from ._token import TokenSource, source_in
 
 _HAS_UNCANCEL = sys.version_info >= (3, 11)
 
@@ -82,7 +82,7 @@ def _dispatch_codes() -> tuple[object, object]:
     return anyio_code, asgiref_code
 
 
-def reacting(task: asyncio.Task[Any], token: object) -> bool:
+def reacting(task: asyncio.Task[Any], source: TokenSource) -> bool:
     """Whether the app is cancelling its own work: the app task, or a task it awaits.
 
     Django awaits the handler task it cancelled, Quart gathers them, anyio task groups
@@ -108,6 +108,6 @@ def reacting(task: asyncio.Task[Any], token: object) -> bool:
     if sys.version_info >= (3, 12):
         # Tasks the app started and does not await directly (a task group's children).
         for other in asyncio.all_tasks(task.get_loop()):
-            if other.cancelling() and token_in(other.get_context()) is token:
+            if other.cancelling() and source_in(other.get_context()) is source:
                 return True
     return False

@@ -283,10 +283,10 @@ bind: Callable[[TokenSource], contextvars.Token[TokenSource]] = _current.set
 unbind: Callable[[contextvars.Token[TokenSource]], None] = _current.reset
 
 
-def token_in(context: contextvars.Context) -> CancelToken | None:
-    """The token current in `context` (a task's), if any."""
-    source = context.get(_current)
-    return None if source is None else source.token
+def source_in(context: contextvars.Context) -> TokenSource | None:
+    """The request whose token is current in `context` (a task's), if any (its token is not
+    made by asking)."""
+    return context.get(_current)
 
 
 def find_token() -> CancelToken | None:
