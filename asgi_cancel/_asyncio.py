@@ -1,9 +1,10 @@
 """The asyncio driver: run one request's app, watch its connection, cancel its task once.
 
 A request that runs to the end in a single step (a hello world, a cached answer) costs a
-`Cycle`, a token and nothing else: the app's first step is taken by hand to see whether it
-yields. One that yields gets an `AsyncioLoop`, and a watcher task once it has run for
-`watch_delay` seconds (at once for 0).
+`Cycle` and nothing else: the driver takes the app's first step by hand (`first_step`) to see
+whether it yields, so that such a request needs no task, no timer and no coroutine of ours.
+One that yields gets an `AsyncioRunner`, and a watcher task once it has run for `watch_delay`
+seconds (at once for 0).
 """
 
 from __future__ import annotations
@@ -13,37 +14,60 @@ import asyncio
 import contextvars
 import sys
 import types
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from time import monotonic
 from typing import Any
 
 from ._asyncio_task import in_anyio_shield, reacting, thread_future
-from ._cycle import RELEASED, REQUEST_OVER, Cycle, Loop, Options, State, complete_cancelled, logger
+from ._cycle import Cycle, Options, State, logger, new_cycle
+from ._responses import COMPLETION_TIMEOUT, complete_cancelled
 from ._token import TokenSource, bind, run_detached, unbind
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
-_HAS_UNCANCEL = sys.version_info >= (3, 11)
+if sys.version_info >= (3, 11):
+
+    def cancelling(task: asyncio.Task[Any]) -> int:
+        return task.cancelling()
+
+    def uncancel(task: asyncio.Task[Any]) -> int:
+        return task.uncancel()
+
+else:  # Python 3.10 cannot tell cancellations apart: nobody else's is ever seen
+
+    def cancelling(task: asyncio.Task[Any]) -> int:
+        return 0
+
+    def uncancel(task: asyncio.Task[Any]) -> int:
+        return 0
+
+
 _get_running_loop = asyncio.events._get_running_loop
+# asyncio.current_task() in C: on 3.10 and 3.11 the public one is Python around this dict.
 _current_tasks: dict[object, Any] = getattr(_asyncio, "_current_tasks", {})
+_current_task: Callable[[], Any] = getattr(
+    _asyncio, "current_task", lambda: _current_tasks.get(_get_running_loop())
+)
 
-
-def _current_task_py() -> Any:  # 3.10, 3.11: asyncio.current_task is Python around this dict
-    return _current_tasks.get(_get_running_loop())
-
-
-_current_task: Callable[[], Any] = getattr(_asyncio, "current_task", _current_task_py)  # 3.12+
-
-
-_CoroutineType = types.CoroutineType
 _CLOSED: frozenset[asyncio.Task[object]] = frozenset()
 _GRACE_HOPS = 3
 _FINISHED = State.FINISHED
-_READING_BODY = State.READING_BODY
 _RESPONSE_COMPLETE = State.RESPONSE_COMPLETE
+# The watcher's and the timers' context: they must not carry one request's context variables
+# (a request id in a log line) into code that runs for it. Shared: callbacks never nest.
 _NO_CONTEXT = contextvars.Context()
-_NO_LOOP: Loop | None = None
-_DONE = object()  # the first step, when the app returned in it (no StopIteration)
+DONE: Any = object()  # what `first_step` returns for an app that returned in its first step
+
+
+def first_step(steps: Iterator[Any]) -> Any:
+    """Take the app's first step by hand: what it yielded to the event loop, or `DONE`.
+
+    A `for` loop ends without a `StopIteration` reaching Python when the app returns, the
+    cheapest way to run a coroutine one step outside a task.
+    """
+    for step in steps:
+        return step
+    return DONE
 
 
 class AsyncioDriver:
@@ -57,198 +81,187 @@ class AsyncioDriver:
         self.tracking = tracking
 
     def start(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None] | None:
-        """Run the app's first step, by hand and synchronously, inside the middleware's own
-        coroutine frame (no coroutine of ours per request). Returns None when the request is
-        over, else what the middleware must await for the rest of it."""
-        # new_cycle(scope, receive, send, self.options, _attach), inlined: a call costs ~0.5k
-        # instructions, 5% of a hello world's budget (tests/test_cycle.py checks that the two
-        # build the same cycle).
-        cycle = Cycle()
-        cycle.scope = scope
-        cycle.real_receive = receive
-        cycle.real_send = send
-        cycle.options = self.options
-        cycle.attach = _attach
-        cycle.token_if_made = None
-        cycle.state = _READING_BODY
-        cycle.disconnect = None
-        cycle.first_sent = None
-        cycle.last_sent = None
-        cycle.loop = _NO_LOOP  # (typed `Loop | None`: a literal None would narrow it for mypy)
-        cycle.body_complete = False
-        cycle.reading = False
-        cycle.app_waiting = 0
-        cycle.buffer = None
-        cycle.buffered = 0
+        """Run the app's first step in the middleware's own frame. Returns None when the
+        request is over, else what the middleware must await for the rest of it."""
+        cycle = new_cycle(scope, receive, send, self.options, new_runner)
         if self.tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = self.tracking.begin(cycle)
             if refused is not None:
                 return refused
-            tracked: AsyncioLoop = cycle.attached()  # type: ignore[assignment]
+            tracked: AsyncioRunner = cycle.ensure_runner()  # type: ignore[assignment]
             tracked.track(self.tracking)
         reset = bind(cycle)
-        app = self.app
-        coroutine: Any = app(scope, cycle.receive, cycle.send)
-        # An iterator over the app's steps (a coroutine's wrapper), stepped once by a for loop:
-        # when the app returns, the loop ends without a StopIteration raised (~0.9k
-        # instructions less than catching it, and ~0.1k less than `next(steps, default)`).
+        coroutine = self.app(scope, cycle.receive, cycle.send)
         steps = coroutine.__await__()
-        step = _DONE
         try:
-            for step in steps:  # noqa: B007  (the first step only)
-                break
-        except BaseException as exc:
-            return _rest(cycle, reset, None, None, exc)
-        if step is _DONE:
-            # It never yielded: nothing was watched, nothing to wait for (unless the app read a
-            # disconnect itself in that step, or it was cancelled by id: then the rest is the
-            # slow path's).
-            done: AsyncioLoop | None = cycle.loop  # type: ignore[assignment]
-            if done is None:  # (the cycle fires the token only through its loop)
-                # cycle.finished(), inlined: a call costs ~0.5k instructions, 5% of the budget
-                # of a request that never waits.
-                cycle.state = _FINISHED
-                if cycle.token_if_made is not None:
-                    cycle.token_if_made.release()
-                if cycle.disconnect is None:
-                    cycle.disconnect = REQUEST_OVER
-                cycle.real_receive = cycle.real_send = RELEASED
-                unbind(reset)
-                return None
-            token = cycle.token_if_made
-            cancelled = token is not None and token.cancelled
-            if not cancelled and done.watcher is None and not done.spawned:
-                # A tracked request (an id, a deadline) has its loop from the start: ended
-                # here too (its timer cancelled, its id unregistered), without the slow path.
-                cycle.finished()
-                done.close()
-                unbind(reset)
-                cycle.loop = done.task = None  # type: ignore[assignment]
-                return None
-            return _rest(cycle, reset, None, None, None)
-        loop: AsyncioLoop | None = cycle.loop  # type: ignore[assignment]
-        if loop is None:  # cycle.attached(), inlined (a call costs ~0.5k instructions)
-            loop = cycle.loop = _attach(cycle)
-            cycle.started_at = monotonic()
-        # From here on the app's own coroutine, not its wrapper: one layer less per resumption,
-        # and thread_future() walks its await chain.
-        if type(coroutine) is _CoroutineType:
-            steps = coroutine
-        loop.app_awaitable = steps
-        delay = self.options.watch_delay
-        # An empty context: the watcher must not carry one request's context variables (a
-        # request id in a log line) into code that runs for it. Shared: callbacks never nest.
-        if delay:
-            running = _get_running_loop()  # (the C function: `task.get_loop()` costs more)
-            loop.watch_timer = running.call_later(  # type: ignore[union-attr]  # (never None here)
-                delay, loop.start_watching, context=_NO_CONTEXT
-            )
-        else:
-            _NO_CONTEXT.run(loop.start_watching)
-        return _rest(cycle, reset, steps, step, None)
+            step = first_step(steps)
+        except BaseException as error:
+            return _rest_of_request(cycle, reset, error=error)
+        if step is DONE:
+            if cycle.cancelled:  # (its response is to be completed)
+                return _rest_of_request(cycle, reset)
+            # Nothing can be left to wait for: a watcher starts only after the first step, a
+            # callback's task only once the token fired.
+            end_request(cycle, reset)
+            return None
+        # The app's own coroutine rather than its wrapper: one layer less per resumption, and
+        # thread_future() walks its await chain.
+        app = coroutine if type(coroutine) is types.CoroutineType else steps
+        cycle.app_task = _current_task()
+        cycle.app_awaitable = app
+        cycle.started_at = monotonic()
+        timer = watch_after(cycle, self.options.watch_delay)
+        return _rest_of_request(cycle, reset, app, step, timer)
+
+
+def watch_after(cycle: Cycle, delay: float) -> asyncio.TimerHandle | None:
+    """Start the request's watcher in `delay` seconds (at once for 0); the timer to cancel if
+    the request ends first. Until then the request has no runner: most never need one."""
+    if not delay:
+        _NO_CONTEXT.run(start_watching, cycle)
+        return None
+    loop = _get_running_loop()
+    assert loop is not None
+    return loop.call_later(delay, start_watching, cycle, context=_NO_CONTEXT)
+
+
+def start_watching(cycle: Cycle) -> None:
+    if cycle.disconnect is None and cycle.state is not _FINISHED:
+        runner: AsyncioRunner = cycle.ensure_runner()  # type: ignore[assignment]
+        if runner.watcher is None:
+            runner.watcher = runner.task.get_loop().create_task(cycle.watch())
+
+
+def end_request(
+    cycle: Cycle, reset: contextvars.Token[TokenSource], timer: asyncio.TimerHandle | None = None
+) -> AsyncioRunner | None:
+    """The app has returned (or raised): end the request. Returns its runner if tasks are left
+    to wait for (`wait_for_tasks()`: the watcher, tasks of `on_cancel` callbacks), else None."""
+    if timer is not None:
+        timer.cancel()
+    cycle.finished()
+    unbind(reset)
+    runner: AsyncioRunner | None = cycle.runner  # type: ignore[assignment]
+    if runner is None:
+        return None
+    cycle.runner = None  # (cycle <-> runner: freed by reference counting)
+    return runner if runner.close() else None
 
 
 @types.coroutine
-def _rest(
+def _rest_of_request(
     cycle: Cycle,
     reset: contextvars.Token[TokenSource],
-    awaitable: Any,
-    step: Any,
-    error: BaseException | None,
+    app: Any = None,
+    step: Any = None,
+    timer: asyncio.TimerHandle | None = None,
+    *,
+    error: BaseException | None = None,
 ) -> Generator[Any, Any, None]:
-    """The rest of a request whose first step yielded (or ended unusually).
+    """The rest of a request: go on with the app from `step` (what its first step yielded),
+    decide what a `CancelledError` means, end the request, complete a cancelled response.
 
-    A generator-based coroutine that goes on with the app itself (one frame per request and
-    per resumption less than awaiting a helper): asyncio resumes a task with `send(None)` or
-    `throw(exc)`; once resumed with None, the rest is a plain `yield from`.
+    A generator-based coroutine: it goes on with the app itself, with no frame of ours between
+    the task and the app once resumed (`yield from`).
     """
+    send = cycle.real_send  # let go by finished(); a cancelled request's end still needs it
     outside = False
-    send = cycle.real_send  # (let go by finished(); a cancelled request's end still needs it)
     try:
         if error is not None:
             raise error
-        while awaitable is not None:
+        while app is not None:
+            # The task resumes us as it would the app: with `send(None)` (then the rest is the
+            # app's own `yield from`), or by throwing a cancellation in, which the app gets at
+            # its await.
             try:
-                sent = yield step
-            except GeneratorExit:
-                awaitable.close()
-                raise
+                yield step
             except BaseException as exc:
                 try:
-                    step = awaitable.throw(exc)
+                    step = app.throw(exc)
                 except StopIteration:
                     break
-                continue
-            if sent is None:
-                yield from awaitable
-                break
-            try:  # pragma: no cover - asyncio's tasks always send None
-                step = awaitable.send(sent)
-            except StopIteration:  # pragma: no cover
+            else:
+                yield from app
                 break
     except asyncio.CancelledError:
-        loop: AsyncioLoop | None = cycle.loop  # type: ignore[assignment]
-        if loop is not None and loop.cancel_issued:
-            if _HAS_UNCANCEL and loop.task.uncancel():  # type: ignore[attr-defined,unused-ignore]
-                raise  # ours, and someone else's too
-        elif not cycle.cancelled or (_HAS_UNCANCEL and _current_task().cancelling()):
-            outside = True  # not ours: server shutdown or an outer timeout
+        if not absorbs_cancellation(cycle):
+            outside = True  # server shutdown, an outer timeout: it goes on
             raise
-        # Otherwise the app raised it itself once the client had gone (raise_if_cancelled()
-        # in a worker thread during the grace period or a shield): absorbed like ours.
-    except BaseException:
-        loop = cycle.loop  # type: ignore[assignment]
-        if loop is not None and loop.cancel_issued and _HAS_UNCANCEL:
-            loop.task.uncancel()  # type: ignore[attr-defined,unused-ignore]  # became an error
-        raise
-    else:
-        loop = cycle.loop  # type: ignore[assignment]
-        if loop is not None and loop.cancel_issued and _HAS_UNCANCEL:
-            loop.task.uncancel()  # type: ignore[attr-defined,unused-ignore]  # app swallowed it
     finally:
-        cycle.finished()
-        loop = cycle.loop  # type: ignore[assignment]
-        try:
-            if loop is not None and not loop.close():
-                yield from loop.finish(outside).__await__()
-        finally:
-            unbind(reset)
-            if loop is not None:
-                # cycle <-> loop: broken here so that reference counting frees them.
-                cycle.loop = loop.task = None  # type: ignore[assignment]
-    token = cycle.token_if_made  # (not the `cancelled` property: a property costs ~0.6k)
-    if token is not None and token.cancelled:
-        yield from complete_cancelled(cycle, send).__await__()
+        runner = end_request(cycle, reset, timer)
+        if runner is not None:
+            yield from runner.wait_for_tasks(outside).__await__()
+    if cycle.cancelled:
+        yield from _bounded(complete_cancelled(cycle, send)).__await__()
 
 
-class AsyncioLoop:
+def absorbs_cancellation(cycle: Cycle) -> bool:
+    """A `CancelledError` ended the app: whether the middleware absorbs it (it is the one it
+    caused) rather than re-raise it (a cancellation from outside: shutdown, a timeout).
+
+    Ours when the runner issued a `Task.cancel()` and, on 3.11+, nobody else cancelled the
+    task too (`uncancel()`); or when the app raised it itself once the token had fired
+    (`raise_if_cancelled()` in a worker thread) and no outside cancellation is pending.
+    """
+    runner: AsyncioRunner | None = cycle.runner  # type: ignore[assignment]
+    if runner is None:
+        return False  # the token fires only through a runner: nothing of ours happened
+    if runner.cancel_issued:
+        runner.cancel_issued = False
+        return not uncancel(runner.task)
+    return cycle.cancelled and not cancelling(runner.task)
+
+
+async def _bounded(completion: Awaitable[None]) -> None:
+    """Await the middleware's own completion of a cancelled request, at most
+    `COMPLETION_TIMEOUT` seconds: the server's send may never return on a dead connection."""
+    try:
+        await asyncio.wait_for(completion, COMPLETION_TIMEOUT)
+    except asyncio.TimeoutError:
+        logger.debug("asgi_cancel: the server's send did not return; not completing the response")
+
+
+def new_runner(cycle: Cycle) -> AsyncioRunner:
+    """A new `AsyncioRunner`: its constructor, as a plain function for the same reason as
+    `new_cycle()`. Made in the request's task unless its app already yielded (then possibly
+    in another: a watcher's timer, a task of the app's that calls `receive()`)."""
+    runner = AsyncioRunner()
+    runner.cycle = cycle
+    runner.task = cycle.app_task if cycle.app_task is not None else _current_task()
+    runner.cancel_issued = False
+    runner.parked = None
+    runner.watcher = None
+    runner.grace_timer = None
+    runner.spawned = _CLOSED
+    runner.tracking = None
+    runner.deadline_timer = None
+    return runner
+
+
+class AsyncioRunner:
     """One request's asyncio side: its task, parked callers, watcher, timers, spawned tasks."""
 
     __slots__ = (
-        "app_awaitable",
         "cancel_issued",
         "cycle",
         "deadline_timer",
         "grace_timer",
-        "lot",
+        "parked",
         "spawned",
         "task",
         "tracking",
-        "watch_timer",
         "watcher",
     )
 
-    app_awaitable: Any
-    cancel_issued: bool
-    lot: list[asyncio.Future[None]] | None
+    cycle: Cycle
+    task: asyncio.Task[Any]  # the request's own
+    cancel_issued: bool  # our one Task.cancel() is in flight
+    parked: list[asyncio.Future[None]] | None  # app callers waiting for the watcher
     watcher: asyncio.Task[None] | None
-    watch_timer: asyncio.TimerHandle | None
     grace_timer: asyncio.TimerHandle | None
-    spawned: set[asyncio.Task[object]] | frozenset[asyncio.Task[object]] | None
+    spawned: set[asyncio.Task[object]] | frozenset[asyncio.Task[object]]  # callbacks' tasks
     tracking: Tracking | None
     deadline_timer: asyncio.TimerHandle | None
-    cycle: Cycle
-    task: asyncio.Task[Any]
 
     def track(self, tracking: Tracking) -> None:
         """Make the request findable by id, and arm its one deadline timer if it has one."""
@@ -265,29 +278,23 @@ class AsyncioLoop:
         self.deadline_timer = None
         self.cycle.stop(DEADLINE_EXCEEDED, DEADLINE_STATUS)
 
-    def start_watching(self) -> None:
-        self.watch_timer = None
-        cycle = self.cycle
-        if cycle.disconnect is None and self.watcher is None:
-            self.watcher = self.task.get_loop().create_task(cycle.watch())
-
-    # -- Loop ------------------------------------------------------------------------------------
+    # -- Runner ----------------------------------------------------------------------------------
     async def park(self) -> None:
         future = self.task.get_loop().create_future()
-        if self.lot is None:
-            self.lot = []
-        self.lot.append(future)
+        if self.parked is None:
+            self.parked = []
+        self.parked.append(future)
         try:
             await future
         finally:
-            if not future.done() and self.lot is not None:
-                self.lot.remove(future)
+            if not future.done() and self.parked is not None:
+                self.parked.remove(future)
 
     def wake(self) -> None:
-        lot = self.lot
-        if lot:
-            self.lot = None
-            for future in lot:
+        parked = self.parked
+        if parked:
+            self.parked = None
+            for future in parked:
                 if not future.done():
                     future.set_result(None)
 
@@ -298,14 +305,15 @@ class AsyncioLoop:
         if self.cycle.state is _FINISHED or self.cancel_issued:
             return
         task = self.task
-        loop = task.get_loop()
-        if _HAS_UNCANCEL and task.cancelling():  # type: ignore[attr-defined,unused-ignore]
+        if cancelling(task):
             # Someone else is cancelling the app (server shutdown, an anyio scope, the app's
             # own task group): a second cancel would cut the cleanup it runs short. Look again
             # after `grace`, in case the app caught that cancellation and went on working.
-            self.grace_timer = loop.call_later(self.cycle.options.grace, self._look_again)
+            self.grace_timer = task.get_loop().call_later(
+                self.cycle.options.grace, self._look_again
+            )
             return
-        if thread_future(task, self.app_awaitable) is not None or in_anyio_shield(task):
+        if thread_future(task, self.cycle.app_awaitable) is not None or in_anyio_shield(task):
             # The app waits for a worker thread (a threadpool endpoint, sync_to_async) or
             # runs a framework's cleanup in an anyio shielded scope (FastAPI's dependency
             # exits): a cancel now would unwind the request while the thread still uses its
@@ -375,32 +383,34 @@ class AsyncioLoop:
         async def run() -> object:
             return await awaitable
 
-        spawned = self.spawned
-        if self.cycle.state is _FINISHED and not isinstance(spawned, set):
-            # The request is over (or finishing without a finish() to wait for it).
+        if self.cycle.state is _FINISHED and self.spawned is _CLOSED:
+            # The request is over (or finishing without waiting for tasks).
             run_detached(awaitable)
             return
-        if spawned is None or not isinstance(spawned, set):
-            spawned = self.spawned = set()
-        spawned.add(self.task.get_loop().create_task(run()))
+        if self.spawned is _CLOSED:
+            self.spawned = set()
+        assert isinstance(self.spawned, set)
+        self.spawned.add(self.task.get_loop().create_task(run()))
 
     def close(self) -> bool:
-        """Cancel the timers; return whether that was all (no task to wait for)."""
-        if self.watch_timer is not None:
-            self.watch_timer.cancel()
-            self.watch_timer = None
+        """The app has returned: cancel the timers, leave the registry, and withdraw a
+        `Task.cancel()` the app did not end by (it swallowed it, or turned it into an error),
+        so that the task is not left cancelling. Returns whether tasks are left to wait for
+        (`wait_for_tasks()`): the watcher, or tasks an `on_cancel` callback started."""
+        if self.cancel_issued:
+            self.cancel_issued = False
+            uncancel(self.task)
         if self.grace_timer is not None:
             self.grace_timer.cancel()
             self.grace_timer = None
-        self.app_awaitable = None
         if self.tracking is not None:
             self.tracking.unregister(self.cycle)
             if self.deadline_timer is not None:
                 self.deadline_timer.cancel()
                 self.deadline_timer = None
-        return self.watcher is None and not self.spawned
+        return self.watcher is not None or bool(self.spawned)
 
-    async def finish(self, outside: bool) -> None:
+    async def wait_for_tasks(self, outside: bool) -> None:
         """Stop watching and wait for callback tasks, even through a server shutdown.
 
         Under an outside cancellation the watcher, parked in the server's `receive()`, is
@@ -418,8 +428,9 @@ class AsyncioLoop:
             if not outside:
                 interrupted = await _wait_out([watcher])
         spawned = self.spawned
-        while isinstance(spawned, set) and spawned:
+        while spawned:
             # Callbacks' tasks (engine aborts) must finish: the app's cleanup may rely on them.
+            assert isinstance(spawned, set)
             tasks = list(spawned)
             interrupted = await _wait_out(tasks) or interrupted
             spawned.difference_update(tasks)
@@ -429,25 +440,6 @@ class AsyncioLoop:
         self.spawned = _CLOSED
         if interrupted:
             raise asyncio.CancelledError
-
-
-def _attach(cycle: Cycle) -> AsyncioLoop:
-    """A cycle's `AsyncioLoop`, made in the request's task. No `__init__` (a Python `__init__`
-    called from C costs ~0.5k instructions), and slots rather than class-level defaults: a
-    default read through an instance is not specialised (~0.2k each, and `close()` reads five)."""
-    loop = AsyncioLoop()
-    loop.cycle = cycle
-    loop.task = _current_task()
-    loop.app_awaitable = None
-    loop.cancel_issued = False
-    loop.lot = None
-    loop.watcher = None
-    loop.watch_timer = None
-    loop.grace_timer = None
-    loop.spawned = None
-    loop.tracking = None
-    loop.deadline_timer = None
-    return loop
 
 
 async def _wait_out(tasks: list[asyncio.Task[Any]]) -> bool:

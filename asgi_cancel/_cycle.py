@@ -1,13 +1,12 @@
 """One request's state machine: owning the server's `receive`, replaying, deciding to cancel.
 
-No event-loop code here: parking, cancelling the app and timers are the `Loop` a driver
-(`_asyncio.py`, `_trio.py`) attaches to the cycle, only once the request needs one.
+No event-loop code here: parking, cancelling the app and timers are the `Runner` a driver
+(`_asyncio.py`, `_trio.py`) gives the cycle, only once the request needs one.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import threading
 from collections import deque
@@ -22,6 +21,9 @@ from .types import Message, OnCancelled, Receive, Scope, Send
 logger = logging.getLogger("asgi_cancel")
 
 REASON = "client disconnected"
+# What the log line and the `on_cancelled` hook report for a client that left: nginx's
+# "client closed request" (nobody receives it; an outer middleware may).
+DISCONNECTED_STATUS = 499
 # Empty `http.request` messages tolerated after the body is complete before the watcher gives
 # up on a server's receive (a server that answered every call at once would otherwise spin).
 _MAX_EXTRA_REQUESTS = 3
@@ -54,8 +56,8 @@ class Options(Protocol):
     watch_delay: float
 
 
-class Loop(Canceller, Protocol):
-    """What one request needs from its event loop; a driver attaches one to the cycle."""
+class Runner(Canceller, Protocol):
+    """What one request needs from its event loop: a driver gives the cycle one on first need."""
 
     async def park(self) -> None:
         """Wait until `wake()`."""
@@ -76,80 +78,88 @@ class Loop(Canceller, Protocol):
 class Cycle:
     """The middleware's view of one HTTP request/response cycle.
 
-    Slim on purpose: a request that never waits touches only the first group of fields.
-    `send()` parses nothing; the last message sent is read only when a disconnect needs to
-    know whether the response was complete.
+    Made by `new_cycle()`. Slim on purpose: a request that never waits touches only what
+    that sets. `send()`
+    parses nothing; the last message sent is read only when a disconnect needs to know whether
+    the response was complete.
     """
 
     __slots__ = (
+        "_token",
+        "app_awaitable",
+        "app_task",
         "app_waiting",
-        "attach",
         "body_complete",
+        "body_started",
         "buffer",
         "buffered",
+        "cancelled",
         "disconnect",
         "first_sent",
         "last_sent",
-        "loop",
+        "make_runner",
         "options",
         "reading",
         "real_receive",
         "real_send",
+        "runner",
         "scope",
         "sending",
         "started_at",
         "state",
         "status",
-        "token_if_made",
     )
+
+    # What the server's send() returned for the last message: set with `last_sent`, read only
+    # once that says the response is complete.
+    sending: Awaitable[None]
+    started_at: float  # when the request first waited (or got its runner before that)
+    status: int  # set by stop(), read only after it
 
     scope: Scope
     real_receive: Receive
     real_send: Send
     options: Options
-    attach: Callable[[Cycle], Loop]
-    token_if_made: CancelToken | None  # made on first use (`token`): most requests never need one
+    make_runner: Callable[[Cycle], Runner]
+    runner: Runner | None  # made on first need: a request that never needs one has none
+    # The driver's hold on the running app, once its first step yielded (asyncio: the task
+    # and the app's coroutine), for the runner it makes later.
+    app_task: Any
+    app_awaitable: Any
+    _token: CancelToken | None  # made on first use: most requests never ask for it
+    cancelled: bool  # the token fired (set with it; read without making a token)
     state: State
     disconnect: Message | None
     first_sent: Message | None
     last_sent: Message | None
-    # What the server's send() returned for the last message: set with `last_sent` (read only
-    # once that says the response is complete).
-    sending: Awaitable[None]
-    loop: Loop | None
+    body_started: bool  # an http.request message came from the server
     body_complete: bool
-    reading: bool
-    app_waiting: int
-    buffer: deque[Message] | None
-    buffered: int
-    started_at: float
-    status: int  # set by stop() only, read only after it
+    reading: bool  # someone waits in the server's receive()
+    app_waiting: int  # callers in the app's receive()
+    buffer: deque[Message] | None  # read ahead by the watcher, not yet taken by the app
+    buffered: int  # body bytes in `buffer`
 
     @property
     def token(self) -> CancelToken:
         """The request's token, made on first use (by the app's `current_token()`, possibly
         in a worker thread, or by a cancellation)."""
-        token = self.token_if_made
+        token = self._token
         if token is None:
             with _MAKING_TOKEN:
-                token = self.token_if_made
+                token = self._token
                 if token is None:
-                    token = self.token_if_made = CancelToken()
+                    token = self._token = CancelToken()
         return token
 
-    @property
-    def cancelled(self) -> bool:
-        """Whether the request's token fired (without making one)."""
-        token = self.token_if_made
-        return token is not None and token.cancelled
-
-    def attached(self) -> Loop:
-        """The request's `Loop`, attached on first need (a yield, a disconnect)."""
-        loop = self.loop
-        if loop is None:
-            loop = self.loop = self.attach(self)
-            self.started_at = monotonic()
-        return loop
+    def ensure_runner(self) -> Runner:
+        """The request's `Runner`, made on first need (its watcher starts, a disconnect, an
+        id, a second caller of `receive()`)."""
+        runner = self.runner
+        if runner is None:
+            runner = self.runner = self.make_runner(self)
+            if self.app_task is None:  # before the app first waited: it waits from now on
+                self.started_at = monotonic()
+        return runner
 
     # -- what the app sees ---------------------------------------------------------------------
     async def receive(self) -> Message:
@@ -167,12 +177,12 @@ class Cycle:
                         # Mid-body, after a cancellation that had to wait (the app was in a
                         # worker thread): it lands here rather than as http.disconnect, which
                         # a framework would turn into an error (Starlette's ClientDisconnect).
-                        await self.attached().cancel_body_reader()
+                        await self.ensure_runner().cancel_body_reader()
                     return self.disconnect
                 if not self.reading:
                     # Nobody holds the server's receive: read it ourselves, no task needed.
                     return await self._read_for_app()
-                await self.attached().park()
+                await self.ensure_runner().park()
         finally:
             self.app_waiting -= 1
 
@@ -185,11 +195,12 @@ class Cycle:
             self.wake()
         message_type = message["type"]
         if message_type == "http.request":
+            self.body_started = True
             if not message.get("more_body", False):
                 self._body_completed()
         elif message_type == "http.disconnect":
             if self.on_disconnect(message):
-                await self.attached().checkpoint()  # the cancellation lands here, not in the app
+                await self.ensure_runner().checkpoint()  # the cancellation lands here
         return message
 
     def send(self, message: Message) -> Awaitable[None]:
@@ -203,13 +214,13 @@ class Cycle:
         if self.first_sent is None:
             self.first_sent = message
         self.last_sent = message
-        real_send = self.real_send  # (a slot read: `self.real_send(...)` is not specialised)
+        real_send = self.real_send
         sending = self.sending = real_send(message)
         return sending
 
     def wake(self) -> None:
-        if self.loop is not None:
-            self.loop.wake()
+        if self.runner is not None:
+            self.runner.wake()
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -221,7 +232,7 @@ class Cycle:
         if self.state is _READING_BODY:
             self.state = _WATCHING
 
-    def _response_complete(self) -> bool:
+    def response_complete(self) -> bool:
         """Whether the last message sent ended the response (parsed only when needed)."""
         last = self.last_sent
         if last is None:
@@ -241,15 +252,17 @@ class Cycle:
         The server's `receive` and `send` are let go: a finished cycle can outlive its request
         in a context that copied the request's (uvicorn's keep-alive timer is armed inside the
         final `send`), and through them it held the server's per-request objects in a
-        reference cycle: 10x the generation-0 collections under keep-alive load. A late call
-        never reaches them (the disconnect is set); `complete_cancelled()` is handed `send`."""
+        reference cycle, to be found by the garbage collector. A late call never reaches them
+        (the disconnect is set); the driver keeps `send` for completing a cancelled response.
+        """
         self.state = _FINISHED
-        token = self.token_if_made
+        token = self._token
         if token is not None:
             token.release()
         if self.disconnect is None:
             self.disconnect = REQUEST_OVER  # a late receive() gets it, a send drops
         self.real_receive = self.real_send = RELEASED
+        self.app_task = self.app_awaitable = None
 
     # -- the watcher ---------------------------------------------------------------------------
     async def watch(self) -> None:
@@ -264,7 +277,7 @@ class Cycle:
     async def _watch(self) -> None:
         receive = self.real_receive
         read_ahead = self.options.read_ahead
-        loop = self.attached()
+        runner = self.ensure_runner()
         extra = 0
         while self.disconnect is None and self.state is not _FINISHED:
             # At least one message is read ahead whatever `read_ahead` says: a request with no
@@ -272,7 +285,7 @@ class Cycle:
             if self.reading or (
                 not self.body_complete and self.buffered and self.buffered >= read_ahead
             ):
-                await loop.park()
+                await runner.park()
                 continue
             self.reading = True
             try:
@@ -288,6 +301,7 @@ class Cycle:
                 self.on_disconnect(message)
                 return
             if message_type == "http.request":
+                self.body_started = True
                 if self.body_complete:
                     if not message.get("body"):
                         # Some servers send an empty extra http.request after the body.
@@ -302,20 +316,29 @@ class Cycle:
             if self.buffer is None:
                 self.buffer = deque()
             self.buffer.append(message)
-            loop.wake()
+            runner.wake()
 
     def on_disconnect(self, message: Message) -> bool:
         """Cache the disconnect; cancel if the response is not complete. Returns whether the
         app's cancellation was requested at once."""
         self.disconnect = message
         requested = False
+        if (
+            self.state is _READING_BODY
+            and not self.body_started
+            and not _announces_body(self.scope)
+        ):
+            # The server said the client left before it gave the (empty) body: for a request
+            # that has none, the app's receive() is a listener's, as after the body (uvicorn
+            # answers a first receive() so when the client left before it).
+            self._body_completed()
         if self.state is _READING_BODY or self.state is _WATCHING:
-            if self._response_complete():
+            if self.response_complete():
                 self.state = _RESPONSE_COMPLETE
                 if _in_flight(self.sending):
-                    self.attached().start_grace()  # then `final_send_hung()`
+                    self.ensure_runner().start_grace()  # then `final_send_hung()`
             else:
-                requested = self._cancel(REASON)
+                requested = self._cancel(REASON, DISCONNECTED_STATUS)
         self.wake()
         return requested
 
@@ -326,16 +349,16 @@ class Cycle:
         in it forever. The response did not reach the client: the request is cancelled."""
         if self.state is _RESPONSE_COMPLETE and _in_flight(self.sending):
             self.state = _CANCELLED
-            self._fire(self.attached(), REASON)
+            self._fire(self.ensure_runner(), REASON, DISCONNECTED_STATUS)
             self.token.cancel_app()
 
     def stop(self, reason: str, status: int) -> bool:
         """Cancel the request for `reason` while its client is still connected (cancelled by
         id, deadline passed): the same token, callbacks and single cancellation of the app as
-        a disconnect; once the app has ended, `complete_cancelled()` answers `status` (or ends
-        a started stream). Returns False if there was nothing to stop: the response was
-        complete, or the request was already cancelled or over."""
-        if self.disconnect is not None or self._response_complete():
+        a disconnect; once the app has ended, the driver completes the response (`status` if
+        none started). Returns False if there was nothing to stop: the response was complete,
+        or the request was already cancelled or over."""
+        if self.disconnect is not None or self.response_complete():
             return False
         if self.state is not _READING_BODY and self.state is not _WATCHING:
             return False  # pragma: no cover - a disconnect is cached in every other state
@@ -344,11 +367,11 @@ class Cycle:
         # middleware completes the response once the app has ended.
         self.disconnect = STOPPED
         self.status = status
-        self._cancel(reason)
+        self._cancel(reason, status)
         self.wake()
         return True
 
-    def _cancel(self, reason: str) -> bool:
+    def _cancel(self, reason: str, status: int) -> bool:
         # The app is listening itself when it waits in receive() after the whole body
         # (Starlette's StreamingResponse below spec 2.4, vLLM's with_cancellation): give it
         # the message first, and cancel only what still runs after the grace period. Callers
@@ -356,25 +379,30 @@ class Cycle:
         # are still reading the body.
         listening = self.state is _WATCHING and self.app_waiting > len(self.buffer or ())
         self.state = _CANCELLED
-        loop = self.attached()
+        runner = self.ensure_runner()
         try:
-            self._fire(loop, reason)
+            self._fire(runner, reason, status)
         finally:
             if listening:
-                loop.start_grace()
+                runner.start_grace()
             else:
                 self.token.cancel_app()
         return not listening
 
-    def _fire(self, loop: Loop, reason: str) -> None:
+    def _fire(self, runner: Runner, reason: str, status: int | None) -> None:
         elapsed = monotonic() - self.started_at
-        self.token.fire(reason, loop)
+        self.cancelled = True
+        if self.disconnect is STOPPED and self.first_sent is not None:
+            status = None  # stopped mid-stream: the client gets a cut stream, not a status
+        token = self.token
+        token.fire(reason, runner)
         report_cancelled(
             self.scope,
-            self.token,
+            token,
             reason,
             elapsed,
             self.response_started,
+            status,
             self.options.on_cancelled,
         )
 
@@ -385,38 +413,58 @@ def _in_flight(sending: object) -> bool:
     return getattr(sending, "cr_await", None) is not None
 
 
-REQUEST_OVER: Message = {"type": "http.disconnect"}
-# What the app's receive() gets after `stop()`: the request is over for it (its client may be
-# still there, and gets the middleware's response).
-STOPPED: Message = {"type": "http.disconnect"}
-_LAST_TRAILERS: Message = {"type": "http.response.trailers", "headers": [], "more_trailers": False}
-_MAKING_TOKEN = threading.Lock()
-
-
 def new_cycle(
-    scope: Scope, receive: Receive, send: Send, options: Options, attach: Callable[[Cycle], Loop]
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    options: Options,
+    make_runner: Callable[[Cycle], Runner],
 ) -> Cycle:
-    """A new `Cycle`: its constructor, as a function because a Python `__init__` called from C
-    costs ~1k instructions per request, a tenth of the whole budget. (`started_at` is set by
-    `attached()`, `status` by `stop()`: only what reads them follows those.)"""
-    cycle: Cycle = Cycle()
+    """A new `Cycle`: its constructor, as a plain function (no `__init__`: a Python
+    `__init__` called by the type is a noticeable share of what a request that never waits
+    costs; `benchmarks.instructions` measures it). `started_at` and `status` are set by what
+    reads them (`ensure_runner()`, `stop()`)."""
+    cycle = Cycle()
     cycle.scope = scope
     cycle.real_receive = receive
     cycle.real_send = send
     cycle.options = options
-    cycle.attach = attach
-    cycle.token_if_made = None
+    cycle.make_runner = make_runner
+    cycle.runner = None
+    cycle.app_task = None
+    cycle.app_awaitable = None
+    cycle._token = None
+    cycle.cancelled = False
     cycle.state = _READING_BODY
     cycle.disconnect = None
     cycle.first_sent = None
     cycle.last_sent = None
-    cycle.loop = None
+    cycle.body_started = False
     cycle.body_complete = False
     cycle.reading = False
     cycle.app_waiting = 0
     cycle.buffer = None
     cycle.buffered = 0
     return cycle
+
+
+def _announces_body(scope: Scope) -> bool:
+    """Whether the request has a body, as its headers (or, without them, its method) say; read
+    only after a disconnect. A POST without a Content-Length may carry one (HTTP/2)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return value.strip() not in (b"", b"0")
+        if name == b"transfer-encoding":
+            return True
+    return scope.get("method") not in _BODYLESS_METHODS
+
+
+_BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE", "TRACE")
+REQUEST_OVER: Message = {"type": "http.disconnect"}
+# What the app's receive() gets after `stop()`: the request is over for it (its client may be
+# still there, and gets the middleware's response).
+STOPPED: Message = {"type": "http.disconnect"}
+_MAKING_TOKEN = threading.Lock()
 
 
 async def _dropped() -> None:
@@ -429,70 +477,3 @@ async def _released(*_: object) -> Message:
 
 # What a finished cycle holds instead of the server's `receive` and `send` (never called).
 RELEASED: Any = _released
-
-
-async def send_cancelled_response(scope: Scope, send: Send) -> None:
-    """Complete a request the client left, that the app ended without a response: 499.
-
-    The server drops it (the client is gone), but a middleware outside this one that waits
-    for a response gets one instead of raising: Starlette's `BaseHTTPMiddleware` would log
-    "RuntimeError: No response returned." for every cancelled request.
-    """
-    try:
-        await send({"type": "http.response.start", "status": 499, "headers": []})
-        if scope.get("http_version", "1.1") in ("1.0", "1.1"):
-            # Not over HTTP/2: there hypercorn hangs on a body sent after the connection
-            # closed (the start alone returns), and a response start is all an outer
-            # middleware waits for.
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except Exception:  # ASGI lets a server raise OSError for a send to a closed connection
-        logger.debug("asgi_cancel: the 499 for a cancelled request was refused", exc_info=True)
-
-
-def error_response(status: int, message: str) -> tuple[Message, Message]:
-    """The two ASGI messages of a small JSON error response: `{"error": message}`."""
-    body = json.dumps({"error": message}).encode()
-    start: Message = {
-        "type": "http.response.start",
-        "status": status,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-    }
-    return start, {"type": "http.response.body", "body": body}
-
-
-async def complete_cancelled(cycle: Cycle, send: Send) -> None:
-    """The app of a cancelled request has ended: complete what the server still waits for.
-
-    After a disconnect, a 499 if no response started (`send_cancelled_response`). After
-    `stop()` with the client still connected: `cycle.status` with a JSON body if no response
-    started, else the end of the started response (a final empty body; trailers if announced),
-    so that the client sees a clean end rather than a connection reset.
-    """
-    scope = cycle.scope
-    if cycle.disconnect is not STOPPED:  # the client left (possibly after a stop)
-        if cycle.first_sent is None:
-            await send_cancelled_response(scope, send)
-        return
-    try:
-        if cycle.first_sent is None:
-            start, body = error_response(cycle.status, cycle.token.reason or "cancelled")
-            await send(start)
-            await send(body)
-            return
-        last = cycle.last_sent
-        if not (last is not None and last["type"] == "http.response.trailers"):
-            if not (
-                last is not None
-                and last["type"] == "http.response.body"
-                and not last.get("more_body", False)
-            ):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            if cycle.first_sent.get("trailers", False):
-                await send(dict(_LAST_TRAILERS))
-        elif last.get("more_trailers", False):
-            await send(dict(_LAST_TRAILERS))
-    except Exception:  # ASGI lets a server raise OSError for a send to a closed connection
-        logger.debug("asgi_cancel: completing a stopped request failed", exc_info=True)

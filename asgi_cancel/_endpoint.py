@@ -6,7 +6,8 @@ import hmac
 import json
 from collections.abc import Callable
 
-from ._registry import CANCELLED, CancelRegistry
+from ._registry import CANCELLED, CancelRegistry, header_name
+from ._tracking import ID_CHARACTERS, MAX_ID_LENGTH, route_path, valid_request_id
 from .types import ASGIApp, Receive, Scope, Send
 
 Authorize = Callable[[Scope], bool]
@@ -23,11 +24,11 @@ def require_header(name: str, secret: str) -> Authorize:
         secret: the shared secret.
 
     Raises:
-        ValueError: `name` or `secret` is empty.
+        ValueError: `name` is not a header name, or `secret` is empty.
     """
-    if not name or not secret:
-        raise ValueError("require_header needs a header name and a non-empty secret")
-    header = name.lower().encode("latin-1")
+    header = header_name("name", name)
+    if not isinstance(secret, str) or not secret:
+        raise ValueError("require_header needs a non-empty secret")
     expected = secret.encode()
 
     def authorize(scope: Scope) -> bool:
@@ -44,12 +45,14 @@ def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) ->
 
     Mount it where gateways and operators can reach it and clients cannot (Starlette:
     `Mount("/requests", cancel_endpoint(registry, authorize=...))`). Paths are taken
-    relative to `scope["root_path"]`. Answers, as JSON:
+    relative to `scope["root_path"]`. The endpoint never blocks its event loop: a request
+    running on another thread's loop is stopped there (`registry.acancel()`). Answers, as JSON:
 
     - 202 `{"id": ..., "cancelled": true}`: the request was running and is now cancelled
       (its client gets a 499, or the end of its stream);
     - 404 `{"id": ..., "cancelled": false}`: no such request running (unknown, finished, or
       already cancelled);
+    - 400 for an id that no request can have (see `CancelRegistry`);
     - 403 when `authorize(scope)` is false, 405 for another method, 404 for another path.
 
     Args:
@@ -66,11 +69,7 @@ def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) ->
                     await send({"type": "lifespan.startup.complete"})
                 await send({"type": "lifespan.shutdown.complete"})
             return
-        path: str = scope.get("path", "")
-        root: str = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]
-        parts = [part for part in path.split("/") if part]
+        parts = [part for part in route_path(scope).split("/") if part]
         method = scope.get("method", "GET")
         if len(parts) == 2 and parts[1] == "cancel":
             allowed = "POST"
@@ -86,7 +85,11 @@ def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) ->
             await _answer(send, 403, {"error": "forbidden"})
             return
         request_id = parts[0]
-        cancelled = registry.cancel(request_id, CANCELLED)
+        if not valid_request_id(request_id):
+            message = f"a request id is 1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}"
+            await _answer(send, 400, {"error": message})
+            return
+        cancelled = await registry.acancel(request_id, CANCELLED)
         await _answer(send, 202 if cancelled else 404, {"id": request_id, "cancelled": cancelled})
 
     return app

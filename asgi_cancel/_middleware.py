@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._asyncio import AsyncioDriver
 from ._registry import CancelRegistry
-from ._tracking import Timeouts, Tracking
+from ._tracking import Timeouts, Tracking, route_path
 from .types import AnyASGIApp, OnCancelled, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -52,8 +52,7 @@ def _excluder(
         )
 
     def excluded(scope: Scope) -> bool:
-        path: str = scope.get("path", "")
-        return path.startswith(prefixes)
+        return route_path(scope).startswith(prefixes)
 
     return excluded
 
@@ -88,8 +87,9 @@ class CancelOnDisconnectMiddleware:
             watcher task at all; a disconnect within that time is acted on when it ends.
             0 watches from the first wait. Default 0.005. Trio watches every request at once.
         exclude: requests never to cancel, passed to the app untouched (one check per
-            request): path prefixes (`("/payments", "/admin/")`, matched against
-            `scope["path"]`) or a predicate `exclude(scope) -> bool`. For one endpoint that
+            request): path prefixes (`("/payments", "/admin/")`, matched against the path the
+            app routes on: `scope["path"]` without `scope["root_path"]`, what Starlette's
+            router sees) or a predicate `exclude(scope) -> bool`. For one endpoint that
             must run to the end, `asgi_cancel.detach()` is the alternative. Default None.
         registry: a `CancelRegistry`: every request gets an id (its `X-Request-Id` header,
             the registry's `header`, when present, else generated), reported by
@@ -101,13 +101,14 @@ class CancelOnDisconnectMiddleware:
             token fires with reason `"deadline exceeded"`, the app is cancelled as for a
             disconnect, and the client gets a 504 (a started stream is ended cleanly). One
             timer per request that has a deadline; none for the others.
-        timeouts: per-route deadlines overriding `timeout`: a mapping of path prefixes to
-            seconds or None (the longest matching prefix wins), or a callable
-            `timeouts(scope) -> seconds | None`.
+        timeouts: per-route deadlines overriding `timeout`: a mapping of path prefixes
+            (starting with `/`, matched as for `exclude`) to seconds or None (the longest
+            matching prefix wins), or a callable `timeouts(scope) -> seconds | None`.
         timeout_header: a request header carrying the caller's remaining budget
-            (`"x-request-timeout"`: `30`, `1.5`, `30s`, `500ms`, `2m`); the deadline is the
-            smaller of it and the configured one. A malformed value is answered 400 and the
-            app is not called; a budget of 0 is answered 504. Default None: not read.
+            (`"x-request-timeout"`: `30`, `1.5`, `30s`, `500ms`, `2m`, at most 32
+            characters; larger budgets count as a day); the deadline is the smaller of it and
+            the configured one. A malformed value is answered 400 and the app is not called;
+            a budget of 0 is answered 504. Default None: not read.
 
     Raises:
         TypeError: `app` is not callable.

@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import re
+import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["CANCELLED", "CANCELLED_STATUS", "CancelRegistry", "Stoppable"]
+__all__ = ["CANCELLED", "CANCELLED_STATUS", "CancelRegistry", "Stoppable", "header_name"]
 
-CANCELLED = "cancelled"
+CANCELLED = "cancelled by id"
 # gRPC's CANCELLED maps to 499 in Google's HTTP mapping (google.rpc.Code), nginx logs 499 for a
 # client that closed: the one status that means "the caller no longer wants this".
 CANCELLED_STATUS = 499
-# How long `cancel()` from another thread waits for the request's event loop to act.
+# How long a cancel waits for another thread's event loop to run the stop.
 THREAD_TIMEOUT = 10.0
+# RFC 9110's token: what a header name may be made of.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
+
+
+def header_name(option: str, value: object) -> bytes:
+    """`value` as a lowercase header name for the middleware's `option`; ValueError naming the
+    option if it is not one (RFC 9110: letters, digits and ``!#$%&'*+-.^_`|~``)."""
+    if not isinstance(value, str) or len(value) > 100 or _TOKEN.fullmatch(value) is None:
+        raise ValueError(f"{option} must be a header name such as 'x-request-id', got {value!r}")
+    return value.lower().encode("ascii")
 
 
 class Stoppable(Protocol):
@@ -25,7 +38,7 @@ class Stoppable(Protocol):
         to stop (the response was complete, or the request already cancelled)."""
 
 
-_Entry = tuple[Stoppable, Callable[[Callable[[], object]], object], int]
+_Entry = tuple[Callable[[Callable[[], object]], object], int]
 
 
 class CancelRegistry:
@@ -36,23 +49,24 @@ class CancelRegistry:
     client (or a gateway) sent one, else generated, and is findable here while its app runs.
     `cancel()` stops it exactly as a disconnect would (same token, same callbacks, one
     cancellation of the app under the same rules), and the client, still connected, gets a
-    499 response (or the end of a stream it has started).
+    499 response (or a cut stream, if its response had started).
 
-    Two requests that arrive with the same id are both registered: an id names what the
-    caller wants stopped, and a gateway that retried keeps one id for both attempts.
+    An id sent by the client must be 1 to 200 characters of `A-Z a-z 0-9 . _ ~ : + = @ -`
+    (safe in a URL path, a header and a log line); any other value is answered 400 and the app
+    is not called. Two requests that arrive with the same id are both registered: an id names
+    what the caller wants stopped, and a gateway that retried keeps one id for both attempts.
 
     Args:
-        header: the request header that carries a caller's id (lowercase).
+        header: the request header that carries a caller's id.
 
     Raises:
-        ValueError: `header` is not a non-empty string.
+        ValueError: `header` is not a header name.
     """
 
     def __init__(self, *, header: str = "x-request-id") -> None:
-        if not isinstance(header, str) or not header:
-            raise ValueError(f"header must be a non-empty header name, got {header!r}")
-        self.header = header.lower()
-        self._requests: dict[str, list[_Entry]] = {}
+        self.header = header_name("header", header).decode("ascii")
+        self._requests: dict[str, dict[Stoppable, _Entry]] = {}
+        self._lock = threading.Lock()
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -63,24 +77,62 @@ class CancelRegistry:
     def cancel(self, request_id: str, reason: str = CANCELLED) -> bool:
         """Cancel the running request(s) with this id.
 
-        Safe from any thread: from another thread than the request's event loop, the stop is
-        handed to that loop (`call_soon_threadsafe`) and this call waits for it.
+        Safe from any thread. A request running on another thread's event loop has its stop
+        handed to that loop; from a thread that runs no event loop, this call waits for it
+        (at most 10 seconds). It never blocks an event loop: called on one, it does not wait,
+        and a stop handed to another loop counts as cancelled. In async code, prefer
+        `await registry.acancel(...)`, which waits without blocking.
 
         Args:
             request_id: the id, as `current_token().request_id` reports it.
             reason: what the token's `reason` reports.
 
         Returns:
-            True if a request was cancelled now; False for an unknown id, a request that has
+            True if a request was cancelled; False for an unknown id, a request that has
             finished or completed its response, or one that was cancelled already.
 
         Raises:
-            TimeoutError: called from another thread, the request's event loop did not run
-                the stop within 10 seconds (a blocked loop).
+            TimeoutError: called from a thread with no event loop, the request's event loop
+                did not run the stop within 10 seconds (a blocked loop).
         """
-        entries = list(self._requests.get(request_id, ()))  # a copy: other threads mutate it
+        stopped, handed = self._stop_here(request_id, reason)
+        if not handed:
+            return stopped
+        if _on_event_loop():
+            return True
+        for future in handed:
+            stopped = future.result(THREAD_TIMEOUT) or stopped
+        return stopped
+
+    async def acancel(self, request_id: str, reason: str = CANCELLED) -> bool:
+        """`cancel()` for async code: waits for other threads' event loops without blocking
+        its own (at most 10 seconds; a stop still pending then counts as cancelled: it runs
+        when that loop is free). What `cancel_endpoint` uses."""
+        stopped, handed = self._stop_here(request_id, reason)
+        if not handed:
+            return stopped
+        if asyncio.events._get_running_loop() is not None:
+            wrapped = [asyncio.wrap_future(future) for future in handed]
+            done, pending = await asyncio.wait(wrapped, timeout=THREAD_TIMEOUT)
+            for future in pending:
+                future.cancel()  # the wrapper only: the stop itself still runs
+            return stopped or bool(pending) or any(future.result() for future in done)
+        import trio
+
+        done_set, pending_set = await trio.to_thread.run_sync(
+            concurrent.futures.wait, handed, THREAD_TIMEOUT
+        )
+        return stopped or bool(pending_set) or any(future.result() for future in done_set)
+
+    def _stop_here(
+        self, request_id: str, reason: str
+    ) -> tuple[bool, list[concurrent.futures.Future[bool]]]:
+        """Stop this thread's requests with the id; hand the others' stops to their loops."""
+        with self._lock:
+            entries = list(self._requests.get(request_id, {}).items())
         stopped = False
-        for cycle, call_soon_threadsafe, thread in entries:
+        handed: list[concurrent.futures.Future[bool]] = []
+        for cycle, (call_soon_threadsafe, thread) in entries:
             if thread == threading.get_ident():
                 stopped = cycle.stop(reason, CANCELLED_STATUS) or stopped
                 continue
@@ -98,8 +150,8 @@ class CancelRegistry:
                 call_soon_threadsafe(run)
             except RuntimeError:  # the loop is closed: the request is over
                 continue
-            stopped = future.result(THREAD_TIMEOUT) or stopped
-        return stopped
+            handed.append(future)
+        return stopped, handed
 
     # -- for the middleware ------------------------------------------------------------------
     def register(
@@ -109,23 +161,33 @@ class CancelRegistry:
         call_soon_threadsafe: Callable[[Callable[[], object]], object],
     ) -> None:
         """Make a running request findable (called in its event loop)."""
-        entry = (cycle, call_soon_threadsafe, threading.get_ident())
-        entries = self._requests.get(request_id)
-        if entries is None:
-            self._requests[request_id] = [entry]
-        else:
-            entries.append(entry)
+        entry = (call_soon_threadsafe, threading.get_ident())
+        with self._lock:
+            entries = self._requests.get(request_id)
+            if entries is None:
+                self._requests[request_id] = {cycle: entry}
+            else:
+                entries[cycle] = entry
 
     def unregister(self, request_id: str, cycle: Stoppable) -> None:
         """The request is over: forget it."""
-        entries = self._requests.get(request_id)
-        if entries is None:
-            return
-        if len(entries) == 1 and entries[0][0] is cycle:  # the usual case: one request per id
-            del self._requests[request_id]
-            return
-        remaining = [entry for entry in entries if entry[0] is not cycle]
-        if remaining:
-            self._requests[request_id] = remaining
-        else:
-            del self._requests[request_id]
+        with self._lock:
+            entries = self._requests.get(request_id)
+            if entries is not None:
+                entries.pop(cycle, None)
+                if not entries:
+                    del self._requests[request_id]
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an event loop (asyncio's, or trio's if trio is imported)."""
+    if asyncio.events._get_running_loop() is not None:
+        return True
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return False
+    return True

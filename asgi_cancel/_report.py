@@ -18,6 +18,8 @@ logger = logging.getLogger("asgi_cancel")
 UNMATCHED = "unmatched"
 BEFORE_RESPONSE = "before_response"
 MID_STREAM = "mid_stream"
+# Characters of one logged field at most: a path can be as long as the server's header limit.
+MAX_LOGGED = 300
 
 
 def route_template(scope: Scope) -> str:
@@ -39,42 +41,63 @@ def phase(response_started: bool) -> str:
     return MID_STREAM if response_started else BEFORE_RESPONSE
 
 
+def escaped(value: object) -> str:
+    """`value` safe to write into a log line: control and non-ASCII characters escaped
+    (`\\r`, `\\n`, `\\x1b`, `\\u2028`), at most `MAX_LOGGED` characters.
+
+    A client chooses the path, the method and its own request id: written as is, a path with
+    `%0D%0A` would forge a whole log line.
+    """
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > MAX_LOGGED:
+        text = text[:MAX_LOGGED] + "..."
+    if text.isascii() and text.isprintable():
+        return text
+    return text.encode("unicode_escape").decode("ascii")
+
+
 def report_cancelled(
     scope: Scope,
     token: CancelToken,
     reason: str,
     elapsed: float,
     response_started: bool,
+    status: int | None,
     on_cancelled: OnCancelled | None,
 ) -> None:
     """Log the cancel line (with its `extra`) and call the `on_cancelled` hook.
 
+    `status` is what the request's client gets: 499 after a disconnect (as nginx logs it), the
+    status of a stopped request, or None for a stopped request whose response had started
+    (its stream is cut).
     A hook that returns a callable has it called once the request is over (the app returned
     after its cleanup): how `asgi_cancel.prometheus` times the cleanup.
     """
     if logger.isEnabledFor(logging.INFO):
-        method = scope.get("method", "?")
-        path = scope.get("path", "?")
+        method = escaped(scope.get("method", "?"))
+        path = escaped(scope.get("path", "?"))
         route = route_template(scope)
+        request_id = token.request_id
         fields: dict[str, Any] = {
             "method": method,
             "path": path,
-            "route": route,
-            "reason": reason,
+            "route": escaped(route),
+            "reason": escaped(reason),
             "elapsed": round(elapsed, 6),
             "response_started": response_started,
             "phase": phase(response_started),
-            # The request id of a cancellation by id (issue 10) goes here when there is one.
-            "request_id": None,
+            "status": status,
+            "request_id": None if request_id is None else escaped(request_id),
         }
         logger.info(
-            "%s %s%s cancelled: %s after %.3fs, %s (499)",
+            "%s %s%s cancelled after %.3fs %s: %s (%s)",
             method,
             path,
-            "" if route == UNMATCHED or route == path else f" [{route}]",
-            reason,
+            "" if route == UNMATCHED or route == path else f" [{fields['route']}]",
             elapsed,
             "mid-stream" if response_started else "before the response",
+            fields["reason"],
+            "stream cut" if status is None else status,
             extra={"asgi_cancel": fields},
         )
     if on_cancelled is None:

@@ -1,11 +1,14 @@
 """Request ids and deadlines: what a request gets when the middleware's options ask for them.
 
 Only requests of a middleware built with `registry=`, `timeout=`, `timeouts=` or
-`timeout_header=` come here; the others pay one `is None` check in their driver.
+`timeout_header=` come here; the others pay one `is None` check in their driver. Every header
+read here comes from the client: each is length-capped and parsed in linear time, and a value
+that is not well-formed is answered 400 before the app runs (docs/security.md).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -13,33 +16,65 @@ from collections.abc import Awaitable, Callable, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING
 
-from ._cycle import error_response
-from ._registry import CancelRegistry
-from .types import Scope, Send
+from ._registry import CancelRegistry, header_name
+from ._report import escaped
+from ._responses import refuse
+from .types import Scope
 
 if TYPE_CHECKING:
     from ._cycle import Cycle
 
+logger = logging.getLogger("asgi_cancel")
+
 DEADLINE_EXCEEDED = "deadline exceeded"
 DEADLINE_STATUS = 504
+# A request id: 1 to 200 characters that are safe in a URL path, a header and a log line.
 MAX_ID_LENGTH = 200
-# "30", "1.5", "30s", "500ms", "2m": the budget a client or a gateway passes on.
-_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*", re.ASCII)
+ID_CHARACTERS = "A-Z a-z 0-9 . _ ~ : + = @ -"
+_ID = re.compile(rf"[A-Za-z0-9._~:+=@-]{{1,{MAX_ID_LENGTH}}}", re.ASCII)
+# A budget: "30", "1.5", "30s", "500ms" or "2m", at most 32 characters; larger values are
+# capped at a day (a budget can only shorten the configured deadline, never lengthen it).
+MAX_BUDGET_LENGTH = 32
+MAX_BUDGET = 86400.0
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)[ \t]*(ms|s|m)?", re.ASCII)
 _UNIT = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0}
 
 Timeouts = Mapping[str, float | None] | Callable[[Scope], float | None]
 
 
 def parse_duration(value: str) -> float | None:
-    """Seconds from `"30"`, `"1.5"`, `"30s"`, `"500ms"` or `"2m"`; None if malformed."""
-    match = _DURATION.fullmatch(value)
+    """Seconds from `"30"`, `"1.5"`, `"30s"`, `"500ms"` or `"2m"` (spaces and tabs around
+    allowed), capped at `MAX_BUDGET`; None if malformed or longer than `MAX_BUDGET_LENGTH`.
+
+    Linear in the input: the length is checked first, and no two parts of the pattern can
+    match the same character.
+    """
+    if len(value) > MAX_BUDGET_LENGTH:
+        return None
+    match = _DURATION.fullmatch(value.strip(" \t"))
     if match is None:
         return None
-    return float(match[1]) * _UNIT[match[2]]
+    return min(float(match[1]) * _UNIT[match[2]], MAX_BUDGET)
+
+
+def valid_request_id(value: str) -> bool:
+    """Whether `value` is an acceptable request id: 1 to `MAX_ID_LENGTH` of `ID_CHARACTERS`."""
+    return len(value) <= MAX_ID_LENGTH and _ID.fullmatch(value) is not None
 
 
 def new_request_id() -> str:
+    # Unguessable: whoever can reach the cancel endpoint must not guess another client's id.
     return os.urandom(12).hex()
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: `scope["path"]` without `scope["root_path"]` (what
+    Starlette's router matches; uvicorn's `--root-path` puts the root in both)."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("/", ""):
+        return path[len(root) :] or "/"
+    return path
 
 
 def _seconds_or_none(name: str, value: object) -> float | None:
@@ -70,7 +105,7 @@ class Tracking:
         if registry is not None and not isinstance(registry, CancelRegistry):
             raise ValueError(f"registry must be a CancelRegistry or None, got {registry!r}")
         self.registry = registry
-        self.id_header = registry.header.encode("latin-1") if registry is not None else None
+        self.id_header = registry.header.encode("ascii") if registry is not None else None
         self.timeout = _seconds_or_none("timeout", timeout)
         self.route_timeout: Callable[[Scope], float | None] | None = None
         self.prefixes: list[tuple[str, float | None]] = []
@@ -78,68 +113,84 @@ class Tracking:
             self.route_timeout = timeouts
         elif isinstance(timeouts, Mapping):
             for prefix, seconds in timeouts.items():
-                if not isinstance(prefix, str):
-                    raise ValueError(f"timeouts keys must be path prefixes, got {prefix!r}")
+                if not isinstance(prefix, str) or not prefix.startswith("/"):
+                    raise ValueError(
+                        f"timeouts keys must be path prefixes starting with '/', got {prefix!r}"
+                    )
                 self.prefixes.append((prefix, _seconds_or_none(f"timeouts[{prefix!r}]", seconds)))
             self.prefixes.sort(key=lambda item: len(item[0]), reverse=True)  # longest wins
         elif timeouts is not None:
             raise ValueError(
                 f"timeouts must be a mapping of path prefixes or a callable, got {timeouts!r}"
             )
-        if timeout_header is not None and (
-            not isinstance(timeout_header, str) or not timeout_header
-        ):
-            raise ValueError(
-                f"timeout_header must be a header name or None, got {timeout_header!r}"
-            )
-        self.timeout_header = timeout_header.lower().encode("latin-1") if timeout_header else None
+        self.timeout_header = (
+            None if timeout_header is None else header_name("timeout_header", timeout_header)
+        )
 
     def configured_timeout(self, scope: Scope) -> float | None:
         if self.route_timeout is not None:
             return self.route_timeout(scope)
-        path = scope.get("path", "")
-        for prefix, seconds in self.prefixes:
-            if path.startswith(prefix):
-                return seconds
+        if self.prefixes:
+            path = route_path(scope)
+            for prefix, seconds in self.prefixes:
+                if path.startswith(prefix):
+                    return seconds
         return self.timeout
 
     def begin(self, cycle: Cycle) -> Awaitable[None] | None:
         """Give the request its id and deadline; returns the response to send instead of
-        running the app (a malformed timeout header: 400; no budget left: 504), else None."""
+        running the app (a malformed id or timeout header: 400; no budget left: 504), else
+        None."""
         scope = cycle.scope
         token = cycle.token
-        id_header = self.id_header
-        timeout_header = self.timeout_header
         # One dict built in C rather than a Python loop over the headers (the last of a
         # repeated header wins, as in the loop it replaces).
         headers = dict(scope.get("headers", ()))
-        raw_id: bytes | None = headers.get(id_header) if id_header is not None else None
-        request_id = raw_id.decode("latin-1").strip() if raw_id is not None else None
-        budget: bytes | None = headers.get(timeout_header) if timeout_header is not None else None
-        if id_header is not None:
-            if not request_id or len(request_id) > MAX_ID_LENGTH or not request_id.isprintable():
+        if self.id_header is not None:
+            raw_id: bytes | None = headers.get(self.id_header)
+            if raw_id is None:
                 request_id = new_request_id()
+            else:
+                request_id = raw_id.decode("latin-1").strip(" \t")
+                if not valid_request_id(request_id):
+                    return self._refuse(
+                        cycle,
+                        self.id_header,
+                        request_id,
+                        f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}",
+                    )
             token.request_id = request_id
             state = scope.get("state")
             if isinstance(state, dict):  # Starlette's request.state.request_id
                 state["request_id"] = request_id
         seconds = self.configured_timeout(scope)
-        if budget is not None:
-            text = budget.decode("latin-1")
-            passed = parse_duration(text)
-            if passed is None:
-                return refuse(
-                    cycle.real_send,
-                    400,
-                    f"malformed {self.timeout_header.decode()} header {text!r}: expected seconds,"  # type: ignore[union-attr]
-                    " e.g. 30, 1.5, 30s, 500ms or 2m",
-                )
-            seconds = passed if seconds is None else min(seconds, passed)
+        if self.timeout_header is not None:
+            budget: bytes | None = headers.get(self.timeout_header)
+            if budget is not None:
+                text = budget.decode("latin-1")
+                passed = parse_duration(text)
+                if passed is None:
+                    return self._refuse(
+                        cycle, self.timeout_header, text, "seconds, e.g. 30, 1.5, 30s, 500ms or 2m"
+                    )
+                seconds = passed if seconds is None else min(seconds, passed)
         if seconds is not None:
             if seconds <= 0:
                 return refuse(cycle.real_send, DEADLINE_STATUS, DEADLINE_EXCEEDED)
             token.deadline = monotonic() + seconds
         return None
+
+    @staticmethod
+    def _refuse(cycle: Cycle, header: bytes, value: str, expected: str) -> Awaitable[None]:
+        name = header.decode("ascii")
+        logger.info(
+            "%s %s refused: malformed %s header %s",
+            escaped(cycle.scope.get("method", "?")),
+            escaped(cycle.scope.get("path", "?")),
+            name,
+            escaped(repr(value)),
+        )
+        return refuse(cycle.real_send, 400, f"malformed {name} header: expected {expected}")
 
     def register(
         self, cycle: Cycle, call_soon_threadsafe: Callable[[Callable[[], object]], object]
@@ -152,9 +203,3 @@ class Tracking:
         request_id = cycle.token.request_id
         if self.registry is not None and request_id is not None:
             self.registry.unregister(request_id, cycle)
-
-
-async def refuse(send: Send, status: int, message: str) -> None:
-    start, body = error_response(status, message)
-    await send(start)
-    await send(body)

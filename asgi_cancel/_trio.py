@@ -10,7 +10,8 @@ from time import monotonic
 
 import trio
 
-from ._cycle import Cycle, Options, State, complete_cancelled, logger, new_cycle
+from ._cycle import Cycle, Options, State, logger, new_cycle
+from ._responses import COMPLETION_TIMEOUT, complete_cancelled
 from ._token import bind, unbind
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
@@ -33,7 +34,7 @@ class TrioDriver:
         self.tracking = tracking
 
     async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
-        cycle = new_cycle(scope, receive, send, self.options, TrioLoop)
+        cycle = new_cycle(scope, receive, send, self.options, TrioRunner)
         tracking = self.tracking
         if tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = tracking.begin(cycle)
@@ -41,20 +42,20 @@ class TrioDriver:
                 await refused
                 return
             tracking.register(cycle, trio.lowlevel.current_trio_token().run_sync_soon)
-        loop: TrioLoop = cycle.attached()  # type: ignore[assignment]
+        runner: TrioRunner = cycle.ensure_runner()  # type: ignore[assignment]
         token = cycle.token
         reset = bind(cycle)
         error: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
-                loop.nursery = nursery
-                nursery.start_soon(loop.watch_in_scope)
+                runner.nursery = nursery
+                nursery.start_soon(runner.watch_in_scope)
                 if token.deadline is not None:
                     # Made here, not in the task: cancelled before it starts, it still ends.
-                    loop.deadline_scope = trio.CancelScope()
-                    nursery.start_soon(loop.wait_deadline, token.deadline)
+                    runner.deadline_scope = trio.CancelScope()
+                    nursery.start_soon(runner.wait_deadline, token.deadline)
                 try:
-                    with loop.app_scope:
+                    with runner.app_scope:
                         await self.app(scope, cycle.receive, cycle.send)
                 except asyncio.CancelledError:
                     # raise_if_cancelled() in a worker thread: asyncio's exception, trio's
@@ -65,10 +66,10 @@ class TrioDriver:
                     error = exc
                 finally:
                     cycle.finished()
-                    loop.watch_scope.cancel()
-                    loop.grace_scope.cancel()
-                    if loop.deadline_scope is not None:
-                        loop.deadline_scope.cancel()
+                    runner.watch_scope.cancel()
+                    runner.grace_scope.cancel()
+                    if runner.deadline_scope is not None:
+                        runner.deadline_scope.cancel()
         except BaseExceptionGroup as group:
             # An outside cancellation also cancels the watcher; its Cancelled must not replace
             # the app's own exception.
@@ -77,16 +78,19 @@ class TrioDriver:
                 raise
         finally:
             unbind(reset)
-            loop.nursery = None
+            runner.nursery = None
             if tracking is not None:
                 tracking.unregister(cycle)
         if error is not None:
             raise error
         if token.cancelled:
-            await complete_cancelled(cycle, send)
+            with trio.move_on_after(COMPLETION_TIMEOUT) as bound:
+                await complete_cancelled(cycle, send)
+            if bound.cancelled_caught:
+                logger.debug("asgi_cancel: the server's send did not return; not completing")
 
 
-class TrioLoop:
+class TrioRunner:
     """One request's trio side: parked callers, the app's and the watcher's cancel scopes."""
 
     __slots__ = (
@@ -94,14 +98,14 @@ class TrioLoop:
         "cycle",
         "deadline_scope",
         "grace_scope",
-        "lot",
         "nursery",
+        "parked",
         "watch_scope",
     )
 
     def __init__(self, cycle: Cycle) -> None:
         self.cycle = cycle
-        self.lot = trio.lowlevel.ParkingLot()
+        self.parked = trio.lowlevel.ParkingLot()
         self.app_scope = trio.CancelScope()
         self.watch_scope = trio.CancelScope()
         self.grace_scope = trio.CancelScope()
@@ -118,11 +122,11 @@ class TrioLoop:
             self.cycle.stop(DEADLINE_EXCEEDED, DEADLINE_STATUS)
 
     async def park(self) -> None:
-        await self.lot.park()
+        await self.parked.park()
 
     def wake(self) -> None:
-        if self.lot:
-            self.lot.unpark_all()
+        if self.parked:
+            self.parked.unpark_all()
 
     async def cancel_body_reader(self) -> None:
         # Trio's cancellation is level-triggered: a cancelled app meets it at its next

@@ -25,7 +25,7 @@ from typing import Literal
 
 import anyio
 
-from ._types import ASGIApp, Message, Scope
+from .types import ASGIApp, Message, Scope
 
 __all__ = ["ClientConnection", "http_scope"]
 

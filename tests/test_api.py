@@ -36,7 +36,6 @@ def test_all_lists_exactly_the_public_names() -> None:
 
 
 def test_types_module_exports_the_aliases() -> None:
-    import asgi_cancel._types
     import asgi_cancel.types
 
     assert asgi_cancel.types.__all__ == [
@@ -48,8 +47,6 @@ def test_types_module_exports_the_aliases() -> None:
         "Scope",
         "Send",
     ]
-    for name in asgi_cancel.types.__all__:  # the old private module still re-exports them
-        assert getattr(asgi_cancel._types, name) is getattr(asgi_cancel.types, name)
 
 
 def test_import_does_not_pull_optional_dependencies() -> None:

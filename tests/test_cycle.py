@@ -378,37 +378,6 @@ async def test_body_reader_woken_with_the_last_chunk_is_not_taken_for_a_listener
     assert events in (["body=ab", "cancelled"], ["cancelled"])
 
 
-async def test_the_asyncio_driver_builds_the_cycle_new_cycle_builds() -> None:
-    """The asyncio driver builds its cycle inline (one call less per request): every field
-    must start as `new_cycle()` sets it, or the two would drift apart."""
-    from asgi_cancel._asyncio import _attach
-    from asgi_cancel._cycle import Cycle, new_cycle
-    from asgi_cancel._token import _current
-
-    seen: dict[str, object] = {}
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        cycle = _current.get()
-        assert isinstance(cycle, Cycle)
-        seen.update(_fields(cycle))
-        await respond(send)
-
-    middleware = CancelOnDisconnectMiddleware(app)
-    conn = ClientConnection()
-    await with_watchdog(conn.run(middleware))
-    expected = _fields(new_cycle(http_scope(), noop_receive, noop_send, middleware, _attach))
-    assert set(seen) == set(expected)
-    for name in ("scope", "real_receive", "real_send"):
-        del seen[name], expected[name]  # this request's own
-    assert seen == expected
-
-
-def _fields(cycle: object) -> dict[str, object]:
-    missing = object()
-    fields = {name: getattr(cycle, name, missing) for name in type(cycle).__slots__}  # type: ignore[attr-defined]
-    return {name: value for name, value in fields.items() if value is not missing}
-
-
 @pytest.mark.parametrize("awaits", [False, True], ids=["never-awaits", "awaits"])
 async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(
     awaits: bool,

@@ -535,8 +535,8 @@ async def test_cancelled_request_logged_and_hook_called_once(
     assert 0 < call["elapsed"] < 5
     messages = [r.getMessage() for r in caplog.records if r.name == "asgi_cancel"]
     assert len(messages) == 1
-    assert messages[0].startswith("POST /v1/completions cancelled: client disconnected after ")
-    assert messages[0].endswith("s, mid-stream (499)")
+    assert messages[0].startswith("POST /v1/completions cancelled after ")
+    assert messages[0].endswith("s mid-stream: client disconnected (499)")
     fields = getattr(caplog.records[-1], "asgi_cancel")  # noqa: B009 (set through extra=)
     assert fields == {
         "method": "POST",
@@ -546,6 +546,7 @@ async def test_cancelled_request_logged_and_hook_called_once(
         "elapsed": fields["elapsed"],
         "response_started": True,
         "phase": "mid_stream",
+        "status": 499,
         "request_id": None,
     }
     assert 0 < fields["elapsed"] < 5

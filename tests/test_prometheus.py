@@ -171,8 +171,8 @@ def test_each_reason_counted_once_with_its_phase(server: Server) -> None:
         while not body.endswith(b"0\r\n\r\n"):
             body += recv_some(sock)
     expected = [
-        ("cancelled", "before_response"),
-        ("cancelled", "mid_stream"),
+        ("cancelled by id", "before_response"),
+        ("cancelled by id", "mid_stream"),
         ("deadline exceeded", "before_response"),
         ("deadline exceeded", "mid_stream"),
     ]

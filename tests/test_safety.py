@@ -27,8 +27,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token
-from asgi_cancel._types import Receive, Scope, Send
 from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.types import Receive, Scope, Send
 
 from .helpers import WATCHDOG, read_body, until, with_watchdog
 

@@ -6,8 +6,8 @@ import anyio
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware
-from asgi_cancel._types import Message, Receive, Scope, Send
 from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.types import Message, Receive, Scope, Send
 
 pytestmark = pytest.mark.anyio
 

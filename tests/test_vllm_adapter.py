@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware
-from asgi_cancel._types import ASGIApp, Message, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 from asgi_cancel.vllm import EngineClient, abort_on_cancel, generate
 
 pytestmark = pytest.mark.anyio

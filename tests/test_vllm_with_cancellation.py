@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware
-from asgi_cancel._types import Message, Receive, Scope, Send
+from asgi_cancel.types import Message, Receive, Scope, Send
 
 pytestmark = pytest.mark.anyio
 

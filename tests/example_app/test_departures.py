@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from asgi_cancel._types import Message, Receive, Scope, Send
+from asgi_cancel.types import Message, Receive, Scope, Send
 from example_app.departures import DepartureRecorder, when_client_leaves
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]

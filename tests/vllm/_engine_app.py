@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token
-from asgi_cancel._types import ASGIApp, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import abort_on_cancel, generate
 
 from ._harness import import_vllm
