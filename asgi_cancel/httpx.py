@@ -4,15 +4,16 @@
 import httpx
 from asgi_cancel.httpx import CancelTransport
 
-client = httpx.AsyncClient(transport=CancelTransport())
+client = httpx.AsyncClient(transport=CancelTransport(forward_to=["backend.internal"]))
 ```
 
 Inside a request handled by `CancelOnDisconnectMiddleware`, every request this client sends
-is bound to that request's token: when it fires (client gone, cancelled by id, deadline
-passed), the upstream request is closed at once, streaming or not, so the next hop's own
-asgi-cancel sees its client (us) disconnect and stops its work. The request id and the
-remaining deadline are forwarded as headers. Outside a request the transport is a plain
-pass-through. httpx is imported only by this module.
+is bound to that request's token: when it should stop (`token.should_stop`: client gone,
+cancelled by id, deadline passed; never inside `shield()` or a detached request), the upstream
+request is closed at once, streaming or not, so the next hop's own asgi-cancel sees its client
+(us) disconnect and stops its work. The request id and the remaining deadline are forwarded as
+headers to the hosts in `forward_to` only. Outside a request the transport is a plain
+pass-through. Needs the `httpx` extra (`pip install 'asgi-cancel[httpx]'`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
 
-import anyio
-import httpx
+try:
+    import anyio
+    import httpx
+except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
+    raise ImportError(
+        f"asgi_cancel.httpx needs httpx and anyio ({exc.name} is missing): "
+        "pip install 'asgi-cancel[httpx]'"
+    ) from exc
 
-from ._token import CancelToken, current_token
+from ._forwarding import Forwarding, ForwardTo
+from ._token import CancelToken, find_token
 
 __all__ = ["CancelTransport", "UpstreamCancelled"]
 
@@ -38,50 +46,55 @@ class UpstreamCancelled(httpx.TransportError, asyncio.CancelledError):
     """
 
 
-def _token() -> CancelToken | None:
-    try:
-        return current_token()
-    except RuntimeError:
-        return None
-
-
 class CancelTransport(httpx.AsyncBaseTransport):
     """An httpx transport that binds outgoing requests to the current request's token.
 
-    When the token fires, an upstream request still waiting for its response is cancelled
-    (an anyio cancel scope around the send), and a response body still streaming is closed:
-    the connection to the upstream server is closed, which that server sees as its client
-    disconnecting. The caller gets `UpstreamCancelled` (an `httpx.TransportError`), or, in
-    the request's own task, the middleware's cancellation. Inside `shield()` the upstream
-    call is left to finish, as the app's own cancellation waits.
+    When the request should stop (`token.should_stop`), an upstream request still waiting for
+    its response is cancelled (an anyio cancel scope around the send), and a response body
+    still streaming is closed: the connection to the upstream server is closed, which that
+    server sees as its client disconnecting. The caller gets `UpstreamCancelled` (an
+    `httpx.TransportError`), or, in the request's own task, the middleware's cancellation.
+    Inside `shield()` and in a detached request the upstream call is left to finish.
 
     Args:
         transport: the transport that sends (default `httpx.AsyncHTTPTransport()`).
-        request_id_header: the header that forwards `token.request_id` (None: not sent).
-        timeout_header: the header that forwards the remaining deadline, in milliseconds
-            (`"1234ms"`), for a next hop with `timeout_header=` (None: not sent).
+        forward_to: where the request id and the remaining deadline are sent: host names
+            (`["backend", "10.0.0.5:8000"]`; a host without a port matches any port), or a
+            predicate `forward_to(scheme, host, port) -> bool`. Default: nowhere (an upstream
+            that is not yours, a third-party API, learns nothing; the cancellation itself,
+            closing the connection, reaches every upstream).
+        request_id_header: the header that carries `token.request_id` (None: not sent).
+        timeout_header: the header that carries the remaining deadline, in milliseconds
+            (`"1234ms"`), for a next hop with `timeout_header=` (None: not sent). Both are set,
+            replacing what the app may have copied from its own client.
+
+    Raises:
+        ValueError: `forward_to` holds something other than hosts, or a header option is not
+            a header name.
     """
 
     def __init__(
         self,
         transport: httpx.AsyncBaseTransport | None = None,
         *,
+        forward_to: ForwardTo = (),
         request_id_header: str | None = "x-request-id",
         timeout_header: str | None = "x-request-timeout",
     ) -> None:
         self.transport = transport if transport is not None else httpx.AsyncHTTPTransport()
-        self.request_id_header = request_id_header
-        self.timeout_header = timeout_header
+        self.forwarding = Forwarding(forward_to, request_id_header, timeout_header)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        token = _token()
+        token = find_token()
         if token is None:
             return await self.transport.handle_async_request(request)
-        if token.cancelled:
+        if token.should_stop:
             raise UpstreamCancelled(f"request cancelled: {token.reason}", request=request)
-        self._forward(token, request)
+        url = request.url
+        for name, value in self.forwarding.headers(token, url.scheme, url.host, url.port):
+            request.headers[name] = value
         with anyio.CancelScope() as scope:
-            unregister = token.on_cancel(lambda: None if token.shielded else scope.cancel())
+            unregister = token.on_cancel(lambda: scope.cancel() if token.should_stop else None)
             try:
                 response = await self.transport.handle_async_request(request)
             finally:
@@ -91,14 +104,6 @@ class CancelTransport(httpx.AsyncBaseTransport):
         assert isinstance(response.stream, httpx.AsyncByteStream)
         response.stream = _BoundStream(response.stream, token, request)
         return response
-
-    def _forward(self, token: CancelToken, request: httpx.Request) -> None:
-        headers = request.headers
-        if self.request_id_header and token.request_id is not None:
-            headers.setdefault(self.request_id_header, token.request_id)
-        remaining = token.remaining()
-        if self.timeout_header and remaining is not None:
-            headers.setdefault(self.timeout_header, f"{int(remaining * 1000)}ms")
 
     async def aclose(self) -> None:
         await self.transport.aclose()
@@ -119,7 +124,7 @@ class _BoundStream(httpx.AsyncByteStream):
         self.unregister = token.on_cancel(self._on_cancel)
 
     def _on_cancel(self) -> Awaitable[None] | None:
-        if self.token.shielded or self.closed:
+        if not self.token.should_stop or self.closed:
             return None
         if self.reading is not None:
             self.reading.cancel()
@@ -129,7 +134,7 @@ class _BoundStream(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         iterator = self.stream.__aiter__()
         while True:
-            if self.token.cancelled and not self.token.shielded:
+            if self.token.should_stop:
                 await self.aclose()
                 raise UpstreamCancelled(
                     f"request cancelled: {self.token.reason}", request=self.request

@@ -54,7 +54,11 @@ async def abort_on_cancel(
     task is being cancelled. It reaches generators iterated in any task (n>1, merged prompts,
     background producers) and requests still queued in the scheduler.
 
-    On a normal exit nothing is aborted: a finished request is never aborted. A block entered
+    Like every binding, it aborts only when the request should stop (`token.should_stop`):
+    inside `shield()` and in a detached request (`detach()`) the engine requests run to the
+    end (inside a shield, the app's own cancellation at the block's exit still reaches what
+    the app task iterates). On a normal exit nothing is aborted: a finished request is never
+    aborted. A block entered
     after the disconnect (inside `shield()`, or during the middleware's grace period) aborts
     its ids when it exits with an exception, since an abort on entry would precede them.
 
@@ -116,7 +120,7 @@ async def _aborting(
             token.on_cancel(abort.run)  # runs at once; the middleware awaits it
             raise
         return
-    unregister = token.on_cancel(abort.run)
+    unregister = token.on_cancel(lambda: abort.run() if token.should_stop else None)
     try:
         yield token, abort
     finally:
@@ -154,7 +158,7 @@ async def generate(
         async for output in start(prompt, sampling_params, request_id, **kwargs):
             if (
                 token is not None
-                and token.cancelled
+                and token.should_stop
                 and not aborted_late
                 and (abort is None or abort.done)
                 and not getattr(output, "finished", False)

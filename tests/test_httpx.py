@@ -8,7 +8,13 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, current_token
+from asgi_cancel import (
+    CancelOnDisconnectMiddleware,
+    CancelRegistry,
+    detach,
+    shield,
+)
+from asgi_cancel._forwarding import ForwardTo
 from asgi_cancel.httpx import CancelTransport, UpstreamCancelled
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
@@ -103,24 +109,28 @@ async def test_a_pending_upstream_request_is_cancelled_when_the_token_fires() ->
     outcome: list[str] = []
     await run_gateway(upstream, stream=False, outcome=outcome)
     assert upstream.events == ["send cancelled"]
-    assert outcome == ["upstream cancelled: request cancelled: cancelled"]
+    assert outcome == ["upstream cancelled: request cancelled: cancelled by id"]
 
 
 async def test_a_streaming_upstream_response_is_closed_when_the_token_fires() -> None:
     upstream = SlowUpstream()
     outcome: list[str] = []
     await run_gateway(upstream, stream=True, outcome=outcome)
-    assert outcome[-1] == "upstream cancelled: request cancelled: cancelled"
+    assert outcome[-1] == "upstream cancelled: request cancelled: cancelled by id"
     assert "closed" in upstream.events
 
 
-async def test_the_id_and_the_remaining_deadline_are_forwarded() -> None:
+async def forwarded_headers(
+    transport: CancelTransport, url: str, copied: dict[str, str] | None = None
+) -> httpx.Headers:
+    """The headers an upstream at `url` receives from a request with id `fw` and 20 s left,
+    whose app copies `copied` from its client onto the upstream call."""
     upstream = SlowUpstream(chunks=2)
-    client = httpx.AsyncClient(transport=CancelTransport(upstream), base_url="http://up")
+    transport.transport = upstream
+    client = httpx.AsyncClient(transport=transport)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        assert current_token().request_id == "fw"
-        response = await client.get("/", headers={"x-other": "1"})
+        response = await client.get(url, headers={"x-other": "1", **(copied or {})})
         await response.aclose()
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
@@ -130,12 +140,95 @@ async def test_the_id_and_the_remaining_deadline_are_forwarded() -> None:
     )
     conn = ClientConnection()
     await asyncio.wait_for(conn.run(middleware, scope_with_id("fw")), WATCHDOG)
+    await client.aclose()
     assert conn.status == 204
-    headers = upstream.headers[0]
+    return upstream.headers[0]
+
+
+def remaining_ms(headers: httpx.Headers) -> int:
+    return int(headers["x-request-timeout"].removesuffix("ms"))
+
+
+@pytest.mark.parametrize(
+    ("forward_to", "url"),
+    [
+        (["up"], "http://up/"),
+        (["UP:8000"], "http://up:8000/"),
+        (["up:80"], "http://up/"),
+        (lambda scheme, host, port: host.endswith(".internal"), "https://a.internal/"),
+    ],
+    ids=["host", "host-and-port", "default-port", "predicate"],
+)
+async def test_the_id_and_the_remaining_deadline_go_to_the_hosts_configured(
+    forward_to: ForwardTo, url: str
+) -> None:
+    headers = await forwarded_headers(CancelTransport(forward_to=forward_to), url)
     assert headers["x-request-id"] == "fw"
     assert headers["x-other"] == "1"
-    assert 19000 < int(headers["x-request-timeout"].removesuffix("ms")) <= 20000
+    assert 19000 < remaining_ms(headers) <= 20000
+
+
+@pytest.mark.parametrize(
+    ("forward_to", "url"),
+    [((), "http://up/"), (["up"], "http://api.example.com/"), (["up:8000"], "http://up:9000/")],
+    ids=["default-nowhere", "other-host", "other-port"],
+)
+async def test_nothing_is_forwarded_to_other_hosts(forward_to: ForwardTo, url: str) -> None:
+    headers = await forwarded_headers(CancelTransport(forward_to=forward_to), url)
+    assert "x-request-id" not in headers
+    assert "x-request-timeout" not in headers
+    assert headers["x-other"] == "1"
+
+
+async def test_the_gateways_own_id_and_budget_win_over_the_clients_copied_headers() -> None:
+    """An app that copies its client's headers upstream must not let the client choose the
+    next hop's id or lengthen its deadline."""
+    copied = {"x-request-id": "client-chosen", "x-request-timeout": "10m"}
+    headers = await forwarded_headers(CancelTransport(forward_to=["up"]), "http://up/", copied)
+    assert headers.get_list("x-request-id") == ["fw"]
+    assert len(headers.get_list("x-request-timeout")) == 1
+    assert 19000 < remaining_ms(headers) <= 20000
+
+
+@pytest.mark.parametrize(
+    "forward_to",
+    ["up", ["http://up"], ["up/path"], [""], [42], ["user@up"], ["up:99999"]],
+)
+def test_forward_to_that_is_not_hosts_is_refused(forward_to: object) -> None:
+    with pytest.raises(ValueError, match="forward_to"):
+        CancelTransport(forward_to=forward_to)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("option", ["request_id_header", "timeout_header"])
+def test_a_header_option_that_is_not_a_header_name_is_refused(option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        CancelTransport(**{option: "X Request Id"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("protect", ["detach", "shield"])
+async def test_upstream_calls_of_a_detached_or_shielded_request_run_to_the_end(
+    protect: str,
+) -> None:
+    """`detach()` and `shield()` mean the same to the transport as to the app task."""
+    upstream = SlowUpstream(delay=0.2, chunks=5)
+    client = httpx.AsyncClient(transport=CancelTransport(upstream), base_url="http://up")
+    got: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        with detach() if protect == "detach" else shield():
+            async with client.stream("GET", "/") as response:
+                async for chunk in response.aiter_raw():
+                    got.append(chunk.decode())
+        got.append("done")
+
+    conn = ClientConnection()
+    task = asyncio.get_running_loop().create_task(conn.run(CancelOnDisconnectMiddleware(app)))
+    await until(lambda: upstream.headers != [])
+    conn.disconnect()  # while the upstream call waits for its response
+    await asyncio.wait_for(task, WATCHDOG)
     await client.aclose()
+    assert got == ["chunk\n"] * 5 + ["done"]
+    assert upstream.events == ["closed"]
 
 
 async def test_outside_a_request_it_passes_through() -> None:

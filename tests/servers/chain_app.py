@@ -79,7 +79,9 @@ def _gateway(client: httpx.AsyncClient) -> Starlette:
 
 _TIMEOUT = httpx.Timeout(60.0)
 gateway = CancelOnDisconnectMiddleware(
-    _gateway(httpx.AsyncClient(transport=CancelTransport(), timeout=_TIMEOUT)),
+    _gateway(
+        httpx.AsyncClient(transport=CancelTransport(forward_to=["127.0.0.1"]), timeout=_TIMEOUT)
+    ),
     registry=CancelRegistry(),
 )
 gateway_plain = _gateway(httpx.AsyncClient(timeout=_TIMEOUT))
