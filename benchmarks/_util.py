@@ -127,7 +127,8 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def facts(data: dict[str, Any]) -> str:
     """The lines under a benchmark's tables: what was left out, how they were made, and how
     loaded the shared machine was."""
-    skipped = "".join(f"skipped {name}: {why}\n\n" for name, why in data["skipped"].items())
+    skipped = "; ".join(f"{name}: {why}" for name, why in data["skipped"].items())
+    skipped = f"Not run: {skipped}.\n\n" if skipped else ""
     before, after = (
         "/".join(f"{x:.2f}" for x in data[key]) for key in ("load_before", "load_after")
     )

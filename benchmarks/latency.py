@@ -165,24 +165,16 @@ def check(data: dict[str, Any]) -> list[str]:
 
 
 def render(data: dict[str, Any]) -> str:
-    parts = []
-    for server_name, by_close in data["results"].items():
-        rows = []
-        for variant in data["variants"]:
-            cells = [VARIANTS[variant].label]
-            for close in CLOSES:
-                cell = by_close[close][variant]
-                if cell["cancelled"] == 0:
-                    cells += [f"never ({cell['never']}/{cell['n']})", "never"]
-                    continue
-                notes = f" ({cell['never']} never)" if cell["never"] else ""
-                notes += f" ({cell['not_started']} not started)" if cell["not_started"] else ""
-                cells += [fmt(cell["p50_ms"], 2) + notes, fmt(cell["p99_ms"], 2)]
-            fin, floor = by_close["fin"][variant], by_close["fin"]["floor"]
-            above = variant != "floor" and fin["cancelled"]
-            cells.append(fmt(fin["p50_ms"] - floor["p50_ms"], 2) if above else "-")
-            rows.append(cells)
-        parts.append(f"**{server_name}**: close → app's CancelledError, ms\n")
-        headers = ["variant", "FIN p50", "FIN p99", "RST p50", "RST p99", "FIN p50 minus floor"]
-        parts += [table(headers, rows), ""]
-    return "\n".join(parts) + "\n" + facts(data)
+    names = [name for name in SERVERS if name in data["results"]]
+    rows = []
+    for variant in data["variants"]:
+        row = [VARIANTS[variant].label]
+        for cell in (data["results"][name][close][variant] for name in names for close in CLOSES):
+            notes = f" ({cell['never']} never)" if cell["never"] else ""
+            notes += f" ({cell['not_started']} not started)" if cell["not_started"] else ""
+            ms = f"{fmt(cell['p50_ms'], 2)} / {fmt(cell['p99_ms'], 2)}{notes}"
+            row.append(ms if cell["cancelled"] else f"never ({cell['never']}/{cell['n']})")
+        rows.append(row)
+    headers = ["variant", *(f"{name} {c.upper()} p50 / p99" for name in names for c in CLOSES)]
+    title = "**close → the app's CancelledError**, ms\n\n"
+    return title + table(headers, rows) + "\n\n" + facts(data)

@@ -163,33 +163,27 @@ def _ratio(row: dict[str, Any], key: str, spread: bool = True) -> str:
     """The median of the paired ratios, and their range over the repetitions."""
     values = row["ratios"].get(key)
     if not values:
-        return "1 (baseline)"
-    return f"{median(values):.3f}" + (f" ({min(values):.2f}-{max(values):.2f})" if spread else "")
+        return "(baseline)"
+    return f"x{median(values):.3f}" + (f" ({min(values):.2f}-{max(values):.2f})" if spread else "")
 
 
 def render(data: dict[str, Any]) -> str:
-    parts: list[str] = []
-    order = [variant for variants in data["groups"].values() for variant in variants]
-    for server_name, summary in data["servers"].items():
-        rows = [
-            [
-                VARIANTS[variant].label,
-                fmt(row["rps"], 0),
-                _ratio(row, "rps"),
-                fmt(row["cpu_us_per_request"], 1),
-                _ratio(row, "cpu"),
-                fmt(row["p99_ms"], 1),
-                _ratio(row, "p99", spread=False),
-                fmt(row["gc_per_1000"][0], 1) if row.get("gc_per_1000") else "n/a",
-                row["errors"],
-            ]
-            for variant, row in ((variant, summary[variant]) for variant in order)
-        ]
-        headers = ["variant", "req/s", "req/s ratio (min-max)", "server CPU µs/req"]
-        headers += ["CPU/req ratio (min-max)", "p99 ms", "p99 ratio"]
-        headers += ["gen-0 collections per 1,000 requests", "errors"]
-        parts.append(f"**{server_name}**, hello world, `wrk -c32`, medians\n")
-        parts += [table(headers, rows), ""]
+    names = [name for name in SERVERS if name in data["servers"]]
+    rows = []
+    for variant in (variant for variants in data["groups"].values() for variant in variants):
+        row = [VARIANTS[variant].label]
+        for name in names:
+            cell = data["servers"][name][variant]
+            errors = f" ({cell['errors']} errors)" if cell["errors"] else ""
+            collections = cell.get("gc_per_1000")  # gen-0
+            row.append(fmt(cell["rps"], 0) + errors)
+            row.append(f"{fmt(cell['cpu_us_per_request'], 1)} {_ratio(cell, 'cpu')}")
+            row.append(f"{fmt(cell['p99_ms'], 1)} {_ratio(cell, 'p99', spread=False)}")
+            row.append(fmt(collections[0], 1) if collections else "n/a")
+        rows.append(row)
+    columns = ("req/s", "CPU µs/req (ratio, range)", "p99 ms (ratio)", "gen-0 GCs/1k req")
+    headers = ["variant", *(f"{name} {column}" for name in names for column in columns)]
+    parts = ["**hello world**, `wrk -c32`, medians\n", table(headers, rows), ""]
     if data["instructions"]:
         parts += ["**inside uvicorn**, bare ASGI apps, `python -m benchmarks.instructions`\n"]
         parts.append(instructions.render(data["instructions"]))

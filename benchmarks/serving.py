@@ -327,17 +327,16 @@ def check(data: dict[str, Any]) -> list[str]:
 
 # -- tables ----------------------------------------------------------------------------------
 BENCH_FIGURES = [  # (key, label, digits); `vllm bench serve` names them
-    *(("request_throughput", "requests/s", 2), ("output_throughput", "output tokens/s", 1)),
-    *(("median_ttft_ms", "TTFT median ms", 2), ("p99_ttft_ms", "TTFT p99 ms", 2)),
-    *(("median_tpot_ms", "TPOT median ms", 2), ("p99_tpot_ms", "TPOT p99 ms", 2)),
-    *(("median_itl_ms", "ITL median ms", 2), ("p99_itl_ms", "ITL p99 ms", 2)),
-    ("server_cpu_ms", "server process CPU ms/request", 1),
+    *(("request_throughput", "requests/s", 2), ("output_throughput", "output tokens/s", 0)),
+    *(("median_ttft_ms", "TTFT median ms", 0), ("p99_ttft_ms", "TTFT p99 ms", 0)),
+    *(("p99_tpot_ms", "TPOT p99 ms", 1), ("p99_itl_ms", "ITL p99 ms", 1)),
+    ("server_cpu_ms", "API server CPU ms/request", 1),
 ]
 CANCEL_FIGURES = [
     *(("cancelled", "requests cancelled", 0), ("goodput_tokens_per_s", "goodput tokens/s", 0)),
-    *(("ttft_p50_ms", "TTFT p50 ms", 1), ("ttft_p99_ms", "TTFT p99 ms", 1)),
+    *(("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p99_ms", "TTFT p99 ms", 0)),
     ("cancelled_tokens", "tokens generated for cancelled requests", 0),
-    ("per_cancelled", "of those, per cancelled request", 1),
+    ("per_cancelled", "per cancelled request", 1),
 ]
 
 
@@ -352,22 +351,21 @@ def _figure(run: dict[str, Any], key: str) -> float | None:
 
 
 def compare(title: str, groups: dict[str, Any], figures: list[tuple[str, str, int]]) -> str:
-    """Medians without and with the middleware per group (a concurrency, a cell) and figure,
-    their ratio, the range of the paired runs' ratios, and the baseline's own spread."""
+    """A row per group (a concurrency, a cell), a column per figure: the medians without ->
+    with the middleware, their ratio, and the range of the paired runs' ratios (the noise)."""
     rows = []
     for group, variants in groups.items():
-        for key, label, digits in figures:
+        row = [group]
+        for key, _label, digits in figures:
             values = {v: [_figure(run, key) for run in variants[v]] for v in VARIANTS}
             without, with_ = (median(x for x in values[v] if x is not None) for v in VARIANTS)
             pairs = [b / a for a, b in zip(*values.values(), strict=True) if a and b is not None]
-            alone = [x for x in values["without"] if x]
-            ratio = with_ / without if without else None
-            spread = [f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "n/a"]
-            spread.append(fmt(max(alone) / min(alone), 2) if alone else "n/a")
-            row = [group, label, fmt(without, digits), fmt(with_, digits), fmt(ratio, 3)]
-            rows.append([*row, *spread, len(values["with"])])
-    headers = [title, "figure", "without", "with", "with/without", "pairs (min-max)"]
-    return table([*headers, "without: max/min of its own runs", "runs each"], rows)
+            cell = f"{fmt(without, digits)} → {fmt(with_, digits)}"
+            if without and pairs:
+                cell += f" x{with_ / without:.2f} ({min(pairs):.2f}-{max(pairs):.2f})"
+            row.append(cell)
+        rows.append([*row, len(values["with"])])
+    return table([title, *(label for _key, label, _digits in figures), "runs each"], rows)
 
 
 def _cell(name: str, delays: dict[str, float]) -> str:
