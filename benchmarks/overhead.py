@@ -23,14 +23,7 @@ from typing import Any
 
 from . import instructions
 from ._process import Process
-from ._util import (
-    cpu_seconds,
-    emit,
-    facts,
-    fmt,
-    median,
-    table,
-)
+from ._util import cpu_seconds, emit, facts, fmt, median, table
 from .alternatives import VARIANTS, runnable
 from .serve import SERVERS, servers
 

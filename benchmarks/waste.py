@@ -22,14 +22,7 @@ import time
 import urllib.request
 from typing import Any
 
-from ._util import (
-    emit,
-    facts,
-    fmt,
-    median,
-    percentile,
-    table,
-)
+from ._util import emit, facts, fmt, median, percentile, table
 from .alternatives import VARIANTS, runnable
 from .serve import servers
 
