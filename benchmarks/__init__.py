@@ -1,6 +1,7 @@
 """Side-by-side benchmarks of asgi-cancel and the alternatives users write instead.
 
-Run `python -m benchmarks overhead|latency|waste|memory|all [--quick]`, then
-`python -m benchmarks render` to turn `benchmarks/results/*.json` into the tables and plots
-that `docs/benchmarks.md` quotes.
+`python -m benchmarks overhead|latency|waste|memory|serving|all [--quick]` measures (results in
+`benchmarks/results/*.json`); `python -m benchmarks render` turns them into the tables and the
+plot of `docs/benchmarks.md`; `python -m benchmarks.instructions` counts instructions per
+request inside uvicorn.
 """

@@ -1,60 +1,62 @@
-"""`python -m benchmarks overhead|latency|waste|memory|all|render|serving [--quick]`."""
+"""`python -m benchmarks overhead|latency|waste|memory|all|render|serving [--quick]`.
+
+`--quick` runs each benchmark small and short and checks what it measured: the command exits
+non-zero when a benchmark failed to run or produced nonsense (never on a speed: CI machines are
+noisy), which makes it CI's test of the benchmarks.
+"""
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
-from ._util import emit, loadavg
+from . import latency, memory, overhead, render, serving, waste
+from ._util import emit, loadavg, record, save
+
+BENCHMARKS: dict[str, Any] = {  # `all` runs every one but the last
+    "overhead": overhead,
+    "latency": latency,
+    "waste": waste,
+    "memory": memory,
+    "serving": serving,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="asgi-cancel side by side with the alternatives. Results go to "
-        "benchmarks/results/*.json; `render` turns them into docs/benchmarks tables and plots.",
+        "benchmarks/results/*.json; `render` turns them into the docs' tables and plots.",
     )
-    parser.add_argument(
-        "benchmark",
-        choices=["overhead", "latency", "waste", "memory", "all", "render", "serving"],
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="small and short: proves that everything runs (CI); writes *.quick.json",
-    )
-    group = parser.add_argument_group("serving (vLLM's bench, AIPerf; not part of `all`)")
-    group.add_argument("--target", choices=["all", "sim", "vllm"], default="all")
-    group.add_argument(
-        "--require-tools",
-        action="store_true",
-        help="fail unless vLLM, vLLM's benchmark and AIPerf all ran (CI's vLLM step)",
-    )
-    group.add_argument(
-        "--no-install", action="store_true", help="do not create .venv-aiperf when missing"
-    )
+    parser.add_argument("benchmark", choices=[*BENCHMARKS, "all", "render"])
+    quick = "small and short, and checked: CI's test (writes to benchmarks/results/tmp/)"
+    parser.add_argument("--quick", action="store_true", help=quick)
+    group = parser.add_argument_group("serving (vLLM's benchmark and AIPerf; not part of `all`)")
+    required = "fail unless vLLM, its benchmark and AIPerf all ran (CI's vLLM step)"
+    group.add_argument("--require-tools", action="store_true", help=required)
+    no_install = "do not create AIPerf's venv when it is missing"
+    group.add_argument("--no-install", action="store_true", help=no_install)
     args = parser.parse_args(argv)
-    started = time.monotonic()
-    emit(f"load average before: {loadavg()}")
     if args.benchmark == "render":
-        from . import render
-
         render.main(quick=args.quick)
         return
-    if args.benchmark == "serving":
-        from . import serving
-
-        targets = ["vllm", "sim"] if args.target == "all" else [args.target]
-        serving.run(args.quick, targets, require=args.require_tools, install=not args.no_install)
-        emit(f"done in {time.monotonic() - started:.0f} s; load average after: {loadavg()}")
-        return
-    names = (
-        ["overhead", "latency", "waste", "memory"] if args.benchmark == "all" else [args.benchmark]
-    )
+    problems: list[str] = []
+    names = list(BENCHMARKS)[:-1] if args.benchmark == "all" else [args.benchmark]
     for name in names:
-        module = __import__(f"benchmarks.{name}", fromlist=["run"])
-        module.run(args.quick)
-    emit(f"done in {time.monotonic() - started:.0f} s; load average after: {loadavg()}")
+        module = BENCHMARKS[name]
+        began, load_before = time.time(), loadavg()
+        if name == "serving":
+            figures = serving.run(args.quick, install=not args.no_install)
+        else:
+            figures = module.run(args.quick)
+        data = record(name, args.quick, began, load_before) | figures
+        emit(module.render(data))
+        emit(f"results: {save(data)}")
+        checked = args.require_tools if name == "serving" else args.quick
+        problems += module.check(data) if checked else []
+    if problems:
+        raise SystemExit("benchmarks: problems found:\n- " + "\n- ".join(problems))
 
 
 if __name__ == "__main__":

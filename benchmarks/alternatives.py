@@ -1,36 +1,12 @@
 """Every way a user gets "stop the work when the client leaves", written as its users write it.
 
-Each variant builds the same FastAPI app for a scenario:
-
-- `hello`: `GET /` returns `{"hello": "world"}` (overhead).
-- `slow`: `GET /slow?id=N` holds for `hold` seconds; records when its work is cancelled (latency,
-  memory).
-- `engine`: `GET /generate?id=N&tokens=T` runs a request on example_app's simulated engine
-  and returns the token count (wasted work); `/stats` and `/reset` serve the harness.
-
-The variants:
-
-- `baseline`: no cancellation at all.
-- `asgi-cancel`: `app.add_middleware(CancelOnDisconnectMiddleware)`, handlers unchanged.
-- `vllm`: vLLM's `@with_cancellation` (vllm/entrypoints/.../api_utils.py): a handler task and a
-  listener task that reads `request.receive()` until `http.disconnect`, raced with
-  `asyncio.wait(FIRST_COMPLETED)`; the loser is cancelled; returns None when the disconnect wins.
-- `poll-1s`, `poll-0.1s`: the polling decorator from FastAPI discussion 8805 (the
-  msdrigg/benoit-cty gists): a handler task and a poller task running
-  `while not await request.is_disconnected(): await asyncio.sleep(interval)`.
-- `poll-*+bhm`: the same with a pass-through `BaseHTTPMiddleware` in the stack, as in any app
-  with a `@app.middleware("http")` for logging or headers.
-- `streaming`: Starlette's `StreamingResponse` alone; it listens for the disconnect itself while
-  the server advertises ASGI spec < 2.4 (uvicorn 2.3, hypercorn 2.1), and cancels the body
-  iteration only.
-- `fastapi-disconnect`, `fastapi-disconnect-decorator`: the PyPI package (Python >= 3.12), its
-  middleware and its `@cancel_on_disconnect` decorator.
-- `raw-baseline`, `raw-asgi-cancel`: a bare ASGI hello world without and with the middleware,
-  the worst case for relative overhead.
-- `passthrough`, `raw-passthrough` (reference, not an alternative): a pure ASGI middleware that
-  only calls the app: what any middleware layer costs, whatever it does.
-- `floor` (`slow` only): a bare ASGI app that listens for `http.disconnect` itself: the server's
-  own delivery time, which no middleware can beat.
+`build(variant, scenario)` returns the same FastAPI app (handlers unannotated, as vLLM's are)
+for a scenario: `hello` (`GET /` returns `{"hello": "world"}`), `slow` (`GET /slow?id=N` holds
+for `hold` seconds and records when its work is cancelled), `engine` (`GET /generate?id=N&
+tokens=T` streams from a `TokenGenerator`; `/stats` and `/reset` serve the harness). The
+variants are listed in `VARIANTS`; `raw-*` are bare ASGI apps, the worst case for relative
+overhead, and `floor` is a bare app that listens for `http.disconnect` itself: the server's own
+delivery, which no middleware can beat.
 """
 
 from __future__ import annotations
@@ -38,118 +14,135 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import aclosing
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 
 from asgi_cancel import CancelOnDisconnectMiddleware
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
-from example_app.sim_engine import SimParams, SimulatedEngine
+
+from ._util import PY312
 
 Recorder = Callable[[int, str], None]
 Handler = Callable[..., Coroutine[Any, Any, Any]]
 
 
-@dataclass(frozen=True)
-class Variant:
-    name: str
+class Variant(NamedTuple):
     label: str
-    python: str  # "3.11" (the dev venv) or "3.12" (fastapi-disconnect's own venv)
-    watches_request: bool  # watches the whole request, not only a response stream
-    scenarios: frozenset[str]
+    python: str = "3.11"  # or "3.12": fastapi-disconnect's own venv
 
 
-_ALL = frozenset({"hello", "slow", "engine"})
-VARIANTS: dict[str, Variant] = {
-    variant.name: variant
-    for variant in (
-        Variant("baseline", "no middleware", "3.11", False, _ALL),
-        Variant("asgi-cancel", "asgi-cancel", "3.11", True, _ALL),
-        Variant("vllm", "vLLM @with_cancellation", "3.11", True, _ALL),
-        Variant("poll-1s", "poll is_disconnected 1 s", "3.11", True, _ALL),
-        Variant("poll-0.1s", "poll is_disconnected 0.1 s", "3.11", True, _ALL),
-        Variant("poll-1s+bhm", "poll 1 s + BaseHTTPMiddleware", "3.11", True, _ALL),
-        Variant("poll-0.1s+bhm", "poll 0.1 s + BaseHTTPMiddleware", "3.11", True, _ALL),
-        Variant("streaming", "StreamingResponse alone", "3.11", False, _ALL),
-        Variant("baseline-py312", "no middleware (3.12)", "3.12", False, _ALL),
-        Variant("asgi-cancel-py312", "asgi-cancel (3.12)", "3.12", True, _ALL),
-        Variant("fastapi-disconnect", "fastapi-disconnect middleware", "3.12", True, _ALL),
-        Variant(
-            "fastapi-disconnect-decorator",
-            "fastapi-disconnect @cancel_on_disconnect",
-            "3.12",
-            True,
-            _ALL,
-        ),
-        Variant("passthrough", "do-nothing ASGI middleware (reference)", "3.11", False, _ALL),
-        Variant("raw-baseline", "bare ASGI app", "3.11", False, frozenset({"hello", "slow"})),
-        Variant(
-            "raw-passthrough",
-            "bare ASGI app + do-nothing middleware",
-            "3.11",
-            False,
-            frozenset({"hello"}),
-        ),
-        Variant(
-            "raw-asgi-cancel", "bare ASGI app + asgi-cancel", "3.11", True, frozenset({"hello"})
-        ),
-        Variant("floor", "app listens itself (floor)", "3.11", True, frozenset({"slow"})),
-    )
+VARIANTS = {
+    "baseline": Variant("no middleware"),
+    "asgi-cancel": Variant("asgi-cancel"),
+    # vLLM's decorator (vllm/entrypoints/serve/utils/api_utils.py), see with_cancellation().
+    "vllm": Variant("vLLM @with_cancellation"),
+    # The polling decorator of FastAPI discussion 8805, see cancel_on_disconnect_polling().
+    "poll-1s": Variant("poll is_disconnected 1 s"),
+    "poll-0.1s": Variant("poll is_disconnected 0.1 s"),
+    # The same in an app that also has an `@app.middleware("http")` (here a pass-through one).
+    "poll-1s+bhm": Variant("poll 1 s + BaseHTTPMiddleware"),
+    "poll-0.1s+bhm": Variant("poll 0.1 s + BaseHTTPMiddleware"),
+    # Starlette listens for the disconnect itself while the server advertises ASGI spec < 2.4.
+    "streaming": Variant("StreamingResponse alone"),
+    "baseline-py312": Variant("no middleware (3.12)", "3.12"),
+    "asgi-cancel-py312": Variant("asgi-cancel (3.12)", "3.12"),
+    "fastapi-disconnect": Variant("fastapi-disconnect middleware", "3.12"),
+    "fastapi-disconnect-decorator": Variant("fastapi-disconnect @cancel_on_disconnect", "3.12"),
+    # Reference, not an alternative: what any middleware layer costs, whatever it does.
+    "passthrough": Variant("do-nothing ASGI middleware (reference)"),
+    "raw-baseline": Variant("bare ASGI app"),
+    "raw-passthrough": Variant("bare ASGI app + do-nothing middleware"),
+    "raw-asgi-cancel": Variant("bare ASGI app + asgi-cancel"),
+    "floor": Variant("app listens itself (floor)"),
 }
 
 
-def _noop_record(request_id: int, event: str) -> None:
-    pass
+def python(variant: str) -> str:
+    return str(PY312) if VARIANTS[variant].python == "3.12" else sys.executable
+
+
+def runnable(variants: list[str], skipped: dict[str, str]) -> list[str]:
+    """`variants` less the 3.12 ones when their venv is missing (and `skipped` says so)."""
+    probe = [str(PY312), "-c", "import fastapi_disconnect, fastapi, uvicorn, hypercorn"]
+    if PY312.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return variants
+    skipped["the Python 3.12 columns"] = f"no fastapi-disconnect venv at {PY312} (see the docs)"
+    return [variant for variant in variants if VARIANTS[variant].python != "3.12"]
+
+
+class TokenGenerator:
+    """The wasted-work benchmark's engine, continuous batching in miniature.
+
+    A request gets `tokens` tokens, one every `step` seconds, once one of `batch` slots is free
+    (the others wait, first come first served). Each token is timestamped, so that the harness
+    counts those made after the client left; like vLLM's `generate()`, a request whose task is
+    cancelled (or whose stream is closed) is aborted and frees its slot at once.
+    """
+
+    def __init__(self, step: float, batch: int) -> None:
+        self.step = step
+        self.slots = asyncio.Semaphore(batch)
+        self.requests: dict[int, dict[str, Any]] = {}
+
+    async def generate(self, request_id: int, tokens: int) -> AsyncIterator[int]:
+        request: dict[str, Any] = {"token_times": [], "end": None}
+        self.requests[request_id] = request
+        try:
+            async with self.slots:
+                for token in range(tokens):
+                    await asyncio.sleep(self.step)
+                    request["token_times"].append(time.monotonic())
+                    yield token
+            request["end"] = "finished"
+        except (asyncio.CancelledError, GeneratorExit):
+            request["end"] = "aborted"
+            raise
 
 
 # -- the alternatives, as their users write them ---------------------------------------------
 def with_cancellation(handler: Handler) -> Handler:
-    """vLLM's decorator (same logic, own words): race the handler with a disconnect listener."""
+    """vLLM's decorator (same logic, own words): race the handler with a disconnect listener;
+    the loser is cancelled (not awaited); None when the disconnect wins."""
 
     async def listen_for_disconnect(request: Request) -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                break
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     @functools.wraps(handler)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        request = args[1] if len(args) > 1 else kwargs["raw_request"]
         handler_task = asyncio.create_task(handler(*args, **kwargs))
-        cancellation_task = asyncio.create_task(listen_for_disconnect(request))
+        listener = asyncio.create_task(listen_for_disconnect(kwargs["raw_request"]))
         done, pending = await asyncio.wait(
-            [handler_task, cancellation_task], return_when=asyncio.FIRST_COMPLETED
+            [handler_task, listener], return_when=asyncio.FIRST_COMPLETED
         )
         for task in pending:
             task.cancel()
-        if handler_task in done:
-            return handler_task.result()
-        return None
+        return handler_task.result() if handler_task in done else None
 
     return wrapper
 
 
 def cancel_on_disconnect_polling(interval: float) -> Callable[[Handler], Handler]:
-    """The polling decorator users copy from FastAPI discussion 8805."""
+    """The polling decorator users copy from FastAPI discussion 8805 (the msdrigg gists)."""
 
     async def disconnect_poller(request: Request) -> None:
-        # Polling is the point of this alternative, as users write it.
-        while not await request.is_disconnected():  # noqa: ASYNC110
+        while not await request.is_disconnected():  # noqa: ASYNC110 - polling is the point
             await asyncio.sleep(interval)
 
     def decorator(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            request: Request = kwargs["raw_request"]
-            poller_task = asyncio.ensure_future(disconnect_poller(request))
+            poller = asyncio.ensure_future(disconnect_poller(kwargs["raw_request"]))
             handler_task = asyncio.ensure_future(handler(*args, **kwargs))
             done, pending = await asyncio.wait(
-                [poller_task, handler_task], return_when=asyncio.FIRST_COMPLETED
+                [poller, handler_task], return_when=asyncio.FIRST_COMPLETED
             )
             for task in pending:
                 task.cancel()
@@ -157,9 +150,7 @@ def cancel_on_disconnect_polling(interval: float) -> Callable[[Handler], Handler
                     await task
                 except asyncio.CancelledError:
                     pass
-            if handler_task in done:
-                return await handler_task
-            return Response(status_code=499)
+            return await handler_task if handler_task in done else Response(status_code=499)
 
         return wrapper
 
@@ -180,56 +171,38 @@ class PassThroughMiddleware:
         await self.app(scope, receive, send)
 
 
-def _fastapi_disconnect() -> Any:
-    return importlib.import_module("fastapi_disconnect")
-
-
 # -- building one app ------------------------------------------------------------------------
 def build(
     variant: str,
     scenario: str,
     *,
     hold: float = 3.0,
-    record: Recorder = _noop_record,
-    engine: SimulatedEngine | None = None,
+    record: Recorder = lambda request_id, event: None,
+    engine: TokenGenerator | None = None,
 ) -> ASGIApp:
-    spec = VARIANTS[variant]
-    if scenario not in spec.scenarios:
-        raise ValueError(f"variant {variant!r} has no {scenario!r} scenario")
     if variant.startswith("raw-") or variant == "floor":
-        return _raw_app(variant, scenario, hold=hold, record=record)
-
-    guard: Callable[[Handler], Handler] | None = None
-    needs_request = False
+        return _raw_app(variant, scenario, hold, record)
     base = variant.removesuffix("-py312")
+    guard: Callable[[Handler], Handler] | None = None
     if base == "vllm":
-        guard, needs_request = with_cancellation, True
+        guard = with_cancellation
     elif base.startswith("poll-"):
-        interval = float(base.split("-")[1].split("s")[0])
-        guard, needs_request = cancel_on_disconnect_polling(interval), True
+        guard = cancel_on_disconnect_polling(float(base[5:].split("s")[0]))
     elif base == "fastapi-disconnect-decorator":
-        guard = _fastapi_disconnect().cancel_on_disconnect
-    streaming = base == "streaming"
-
+        guard = importlib.import_module("fastapi_disconnect").cancel_on_disconnect
+    streaming, needs_request = base == "streaming", base == "vllm" or base.startswith("poll-")
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     if scenario == "hello":
-        handler = _hello(streaming, needs_request)
-        path = "/"
+        path, handler = "/", _hello(streaming, needs_request)
     elif scenario == "slow":
-        handler = _slow(streaming, needs_request, hold, record)
-        path = "/slow"
+        path, handler = "/slow", _handler(_slow(hold, record), streaming, needs_request)
     else:
-        if engine is None:
-            engine = simulated_engine()
-        handler = _generate(streaming, needs_request, engine)
-        path = "/generate"
+        engine = engine or TokenGenerator(0.01, 16)
+        path, handler = "/generate", _handler(engine.generate, streaming, needs_request)
         _engine_admin(app, engine)
-    if guard is not None:
-        handler = guard(handler)
-    # response_model=None: as an unannotated handler (vLLM's are): no response validation,
-    # which would also turn with_cancellation's None into a 500.
-    app.add_api_route(path, handler, methods=["GET"], response_model=None)
-
+    # response_model=None: no response validation (vLLM's handlers are unannotated), which
+    # would also turn with_cancellation's None into a 500.
+    app.add_api_route(path, handler if guard is None else guard(handler), response_model=None)
     if base.endswith("+bhm"):
         app.add_middleware(BaseHTTPMiddleware, dispatch=_pass_through)
     if base == "asgi-cancel":
@@ -237,7 +210,9 @@ def build(
     elif base == "passthrough":
         app.add_middleware(PassThroughMiddleware)
     elif base == "fastapi-disconnect":
-        app.add_middleware(_fastapi_disconnect().CancelOnDisconnectMiddleware)
+        app.add_middleware(
+            importlib.import_module("fastapi_disconnect").CancelOnDisconnectMiddleware
+        )
     return app
 
 
@@ -248,7 +223,7 @@ def _hello(streaming: bool, needs_request: bool) -> Handler:
             return StreamingResponse(iter([b'{"hello":"world"}']), media_type="application/json")
 
         return hello_streaming
-    if needs_request:
+    if needs_request:  # the decorators find the request in this argument
 
         async def hello_with_request(raw_request: Request) -> dict[str, str]:
             return {"hello": "world"}
@@ -261,8 +236,11 @@ def _hello(streaming: bool, needs_request: bool) -> Handler:
     return hello
 
 
-def _slow(streaming: bool, needs_request: bool, hold: float, record: Recorder) -> Handler:
-    async def work(request_id: int) -> None:
+Work = Callable[[int, int], AsyncIterator[int]]
+
+
+def _slow(hold: float, record: Recorder) -> Work:
+    async def work(request_id: int, tokens: int) -> AsyncIterator[int]:
         record(request_id, "start")
         try:
             await asyncio.sleep(hold)
@@ -270,102 +248,46 @@ def _slow(streaming: bool, needs_request: bool, hold: float, record: Recorder) -
             record(request_id, "cancelled")
             raise
         record(request_id, "completed")
+        yield 0
 
+    return work
+
+
+def _handler(work: Work, streaming: bool, needs_request: bool) -> Handler:
+    """`work`'s items streamed (`streaming`) or counted into one JSON answer."""
     if streaming:
 
-        async def slow_streaming(id: int) -> StreamingResponse:
+        async def streamed(id: int, tokens: int = 1) -> StreamingResponse:
             async def body() -> AsyncIterator[bytes]:
-                await work(id)
-                yield b'{"done":true}'
-
-            return StreamingResponse(body(), media_type="application/json")
-
-        return slow_streaming
-    if needs_request:
-
-        async def slow_with_request(id: int, raw_request: Request) -> dict[str, int]:
-            await work(id)
-            return {"id": id}
-
-        return slow_with_request
-
-    async def slow(id: int) -> dict[str, int]:
-        await work(id)
-        return {"id": id}
-
-    return slow
-
-
-def simulated_engine(step_time: float = 0.01, max_batch: int = 16) -> SimulatedEngine:
-    """example_app's engine, keeping the per-token times the waste benchmark counts from."""
-    return SimulatedEngine(step_time=step_time, max_batch_size=max_batch, keep_timelines=True)
-
-
-async def _tokens(engine: SimulatedEngine, id: int, tokens: int) -> AsyncIterator[int]:
-    """Token numbers 0..tokens-1 of request `id` as the engine produces them."""
-    await engine.start()
-    sent = 0
-    params = SimParams(max_tokens=tokens, seed=id)
-    # Closed with the caller (a streaming body closed early), as vLLM's generator would be.
-    async with aclosing(engine.generate("", params, str(id))) as outputs:
-        async for output in outputs:
-            produced = len(output.outputs[0].token_ids)
-            for token in range(sent, produced):
-                yield token
-            sent = produced
-
-
-def _generate(streaming: bool, needs_request: bool, engine: SimulatedEngine) -> Handler:
-    if streaming:
-
-        async def generate_streaming(id: int, tokens: int) -> StreamingResponse:
-            async def body() -> AsyncIterator[bytes]:
-                async for token in _tokens(engine, id, tokens):
-                    yield b"%d\n" % token
+                async for item in work(id, tokens):
+                    yield b"%d\n" % item
 
             return StreamingResponse(body(), media_type="text/plain")
 
-        return generate_streaming
+        return streamed
 
-    async def run(id: int, tokens: int) -> dict[str, int]:
-        count = 0
-        async for _token in _tokens(engine, id, tokens):
-            count += 1
-        return {"id": id, "tokens": count}
+    async def counted(id: int, tokens: int = 1) -> dict[str, int]:
+        return {"id": id, "tokens": len([item async for item in work(id, tokens)])}
 
     if needs_request:
 
-        async def generate_with_request(id: int, tokens: int, raw_request: Request) -> Any:
-            return await run(id, tokens)
+        async def counted_with_request(raw_request: Request, id: int, tokens: int = 1) -> Any:
+            return await counted(id, tokens)
 
-        return generate_with_request
-
-    async def generate(id: int, tokens: int) -> dict[str, int]:
-        return await run(id, tokens)
-
-    return generate
+        return counted_with_request
+    return counted
 
 
-def _engine_admin(app: FastAPI, engine: SimulatedEngine) -> None:
-    async def stats() -> JSONResponse:
-        engine_stats = engine.stats()
-        return JSONResponse(
-            {
-                "steps": engine.steps,
-                "unfinished": engine_stats.running + engine_stats.waiting,
-                "requests": [
-                    {"id": request_id, **asdict(timeline)}
-                    for request_id, timeline in engine.timelines.items()
-                ],
-            }
-        )
+def _engine_admin(app: FastAPI, engine: TokenGenerator) -> None:
+    async def stats() -> dict[str, Any]:
+        unfinished = sum(1 for request in engine.requests.values() if request["end"] is None)
+        return {"unfinished": unfinished, "requests": engine.requests}
 
-    async def reset() -> dict[str, bool]:
-        engine.reset()
-        return {"ok": True}
+    async def reset() -> None:
+        engine.requests.clear()
 
-    app.add_api_route("/stats", stats, methods=["GET"], response_model=None)
-    app.add_api_route("/reset", reset, methods=["GET"], response_model=None)
+    app.add_api_route("/stats", stats, response_model=None)
+    app.add_api_route("/reset", reset, response_model=None)
 
 
 # -- bare ASGI apps --------------------------------------------------------------------------
@@ -377,59 +299,29 @@ _HELLO_START = {
 _HELLO_BODY = {"type": "http.response.body", "body": b'{"hello":"world"}'}
 
 
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
+def _raw_app(variant: str, scenario: str, hold: float, record: Recorder) -> ASGIApp:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await receive()  # lifespan.startup
             await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
+            await receive()  # lifespan.shutdown
             await send({"type": "lifespan.shutdown.complete"})
             return
-
-
-def _raw_app(variant: str, scenario: str, *, hold: float, record: Recorder) -> ASGIApp:
-    async def hello(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
-        await send(dict(_HELLO_START))
-        await send(dict(_HELLO_BODY))
-
-    async def slow(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
-        request_id = _request_id(scope)
-        record(request_id, "start")
-        await asyncio.sleep(hold)
-        record(request_id, "completed")
-        await send(dict(_HELLO_START))
-        await send(dict(_HELLO_BODY))
-
-    async def floor(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
-        request_id = _request_id(scope)
-        record(request_id, "start")
-        while True:  # body, then the disconnect: the server's own delivery
-            message = await receive()
-            if message["type"] == "http.disconnect":
+        if variant == "floor" or scenario == "slow":
+            request_id = int(scope["query_string"].partition(b"id=")[2].split(b"&")[0])
+            record(request_id, "start")
+            if variant == "floor":
+                while (await receive())["type"] != "http.disconnect":  # the server's own delivery
+                    pass
                 record(request_id, "cancelled")
                 return
+            await asyncio.sleep(hold)
+            record(request_id, "completed")
+        await send(dict(_HELLO_START))
+        await send(dict(_HELLO_BODY))
 
-    if variant == "floor":
-        return floor
-    app = hello if scenario == "hello" else slow
     if variant == "raw-asgi-cancel":
         return CancelOnDisconnectMiddleware(app)
     if variant == "raw-passthrough":
         return PassThroughMiddleware(app)
     return app
-
-
-def _request_id(scope: Scope) -> int:
-    for part in scope.get("query_string", b"").split(b"&"):
-        if part.startswith(b"id="):
-            return int(part[3:])
-    return -1

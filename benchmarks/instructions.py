@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from example_app.launch import free_port
-
+from ._process import free_port
 from ._util import ROOT, emit, table
 
 ROWS = {
@@ -165,46 +164,30 @@ def run_in_process(
 ) -> dict[str, dict[str, float]]:
     """Instructions per request in the in-process loop (`loop()`), bare and wrapped."""
     results: dict[str, dict[str, float]] = {}
+    option = os.environ.get(OPTION_ENV, "")  # the loop takes no --option: the environment's
     with tempfile.TemporaryDirectory(prefix="asgi-cancel-loop-instr-") as name:
+        out = Path(name)
         for row in rows:
-            started = []
-            for wrap in WRAPS:
-                out = Path(name) / f"{row}-{wrap}.out"
-                command = _under_callgrind(out, python, "loop", row, wrap, str(requests))
-                env = {**os.environ, "PYTHONHASHSEED": "0"}
-                started.append(
-                    (
-                        wrap,
-                        out,
-                        subprocess.Popen(
-                            command,
-                            cwd=ROOT,
-                            env=env,
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE,
-                        ),
-                    )
-                )
-            results[row] = {}
-            for wrap, out, process in started:
-                _stdout, stderr = process.communicate(timeout=600)
-                if process.returncode != 0:
-                    raise RuntimeError(
-                        f"callgrind loop {row}/{wrap} failed:\n{stderr.decode()[-2000:]}"
-                    )
-                results[row][wrap] = _totals(Path(f"{out}.2")) / requests
+            started = [
+                _spawn(out / f"{row}-{wrap}.out", python, option, "loop", row, wrap, str(requests))
+                for wrap in WRAPS
+            ]
+            results[row] = _counts(row, started, requests)
     return results
 
 
 # -- client side (this process, not counted) --------------------------------------------------
 def _request(sock: socket.socket, path: str) -> None:
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
-    data = b""
-    while b"\r\n\r\n" not in data:
+    def receive() -> bytes:
         chunk = sock.recv(4096)
         if not chunk:
             raise ConnectionError("server closed the connection")
-        data += chunk
+        return chunk
+
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += receive()
     head, _, body = data.partition(b"\r\n\r\n")
     length = 0
     for line in head.split(b"\r\n")[1:]:
@@ -212,10 +195,7 @@ def _request(sock: socket.socket, path: str) -> None:
         if name.strip().lower() == b"content-length":
             length = int(value)
     while len(body) < length:
-        chunk = sock.recv(4096)
-        if not chunk:
-            raise ConnectionError("server closed the connection")
-        body += chunk
+        body += receive()
 
 
 def _connect(port: int, deadline: float) -> socket.socket:
@@ -228,24 +208,36 @@ def _connect(port: int, deadline: float) -> socket.socket:
             time.sleep(0.2)
 
 
-def measure(
-    row: str,
-    wrap: str,
-    requests: int,
-    folder: Path,
-    watch_delay: float | None = None,
-    python: str = sys.executable,
-    option: str | None = None,
-) -> tuple[subprocess.Popen[bytes], Path, int]:
-    port = free_port()
-    out = folder / f"{row}-{wrap}.out"
-    delay = () if watch_delay is None else (str(watch_delay),)
-    command = _under_callgrind(out, python, "serve", row, wrap, str(port), *delay)
-    env = {**os.environ, "PYTHONHASHSEED": "0", OPTION_ENV: option or ""}
+def _spawn(
+    out: Path, python: str, option: str, *child: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """This module's child mode `child` under callgrind; part 2 of `out` is what lies between
+    the child's two `os.getppid()` marks."""
+    command = ["valgrind", "--tool=callgrind", "--dump-before=getppid"]
+    command += [f"--callgrind-out-file={out}", python, "-m", "benchmarks.instructions", *child]
+    env = {**os.environ, "PYTHONHASHSEED": "0", OPTION_ENV: option}
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    return process, out, port
+    return process, out
+
+
+def _counts(
+    row: str,
+    started: list[tuple[subprocess.Popen[bytes], Path]],
+    requests: int,
+    errors: list[BaseException] | None = None,
+) -> dict[str, float]:
+    """Wait for a row's two children; instructions per request of each column."""
+    counts: dict[str, float] = {}
+    for wrap, (process, out) in zip(WRAPS, started, strict=True):
+        _stdout, stderr = process.communicate(timeout=600)
+        if errors or process.returncode != 0:
+            raise RuntimeError(
+                f"callgrind {row}/{wrap} failed ({errors}):\n{stderr.decode()[-2000:]}"
+            )
+        counts[wrap] = _totals(Path(f"{out}.2")) / requests
+    return counts
 
 
 def drive(port: int, requests: int, connections: int = 1) -> None:
@@ -276,19 +268,6 @@ def drive(port: int, requests: int, connections: int = 1) -> None:
         _request(sock, "/__exit")
 
 
-def _under_callgrind(out: Path, python: str, *child: str) -> list[str]:
-    """This module's child mode `child` under callgrind; part 2 of `out` is what lies between
-    the child's two `os.getppid()` marks."""
-    return [
-        "valgrind",
-        "--tool=callgrind",
-        "--dump-before=getppid",
-        f"--callgrind-out-file={out}",
-        python,
-        *("-m", "benchmarks.instructions", *child),
-    ]
-
-
 def _totals(path: Path) -> int:
     for line in path.read_text(errors="replace").splitlines():
         if line.startswith(("totals:", "summary:")):
@@ -315,8 +294,12 @@ def run(
         folder = Path(name) if keep is None else keep
         folder.mkdir(parents=True, exist_ok=True)
         for row in rows:
+            ports = [free_port() for _ in WRAPS]
+            delay = () if watch_delay is None else (str(watch_delay),)
             started = [
-                measure(row, wrap, requests, folder, watch_delay, python, option) for wrap in WRAPS
+                _spawn(folder / f"{row}-{wrap}.out", python, option or "", *child)
+                for wrap, port in zip(WRAPS, ports, strict=True)
+                for child in [("serve", row, wrap, str(port), *delay)]
             ]
             errors: list[BaseException] = []
 
@@ -326,20 +309,12 @@ def run(
                 except BaseException as exc:  # reported below, with the server's stderr
                     errors.append(exc)
 
-            threads = [threading.Thread(target=client, args=(port,)) for _p, _o, port in started]
+            threads = [threading.Thread(target=client, args=(port,)) for port in ports]
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
-            row_result: dict[str, float] = {}
-            for wrap, (process, out, _port) in zip(WRAPS, started, strict=True):
-                _stdout, stderr = process.communicate(timeout=600)
-                if errors or process.returncode != 0:
-                    raise RuntimeError(
-                        f"callgrind {row}/{wrap} failed ({errors}):\n{stderr.decode()[-2000:]}"
-                    )
-                row_result[wrap] = _totals(Path(f"{out}.2")) / requests
-            results[row] = row_result
+            results[row] = _counts(row, started, requests, errors)
     return results
 
 
@@ -347,25 +322,10 @@ def render(results: dict[str, dict[str, float]]) -> str:
     rows = []
     for row, counts in results.items():
         bare, wrapped = counts["bare"], counts["asgi-cancel"]
-        rows.append(
-            [
-                ROWS[row],
-                f"{bare / 1e3:,.1f} k",
-                f"{wrapped / 1e3:,.1f} k",
-                f"+{(wrapped - bare) / 1e3:,.1f} k",
-                f"x{wrapped / bare:.3f}",
-            ]
-        )
-    return table(
-        [
-            "uvicorn (httptools, uvloop), instructions/request",
-            "bare",
-            "asgi-cancel",
-            "added",
-            "ratio",
-        ],
-        rows,
-    )
+        added, ratio = f"+{(wrapped - bare) / 1e3:,.1f} k", f"x{wrapped / bare:.3f}"
+        rows.append([ROWS[row], f"{bare / 1e3:,.1f} k", f"{wrapped / 1e3:,.1f} k", added, ratio])
+    headers = ["uvicorn (httptools, uvloop), instructions/request", "bare", "asgi-cancel"]
+    return table([*headers, "added", "ratio"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -382,48 +342,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=REQUESTS)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--keep", type=Path, default=None)
-    parser.add_argument(
-        "--connections", type=int, default=1, help="keep-alive connections sending at once"
-    )
-    parser.add_argument(
-        "--watch-delay",
-        type=float,
-        default=None,
-        help="the middleware's option (default: its default x CALLGRIND_SLOWDOWN)",
-    )
-    parser.add_argument(
-        "--option", choices=OPTIONS, default=None, help="a middleware option to turn on"
-    )
-    parser.add_argument(
-        "--python",
-        default=sys.executable,
-        help="the interpreter that runs uvicorn (its environment needs uvicorn, httptools, "
-        "uvloop and asgi-cancel); default: this one",
-    )
-    parser.add_argument(
-        "--in-process",
-        action="store_true",
-        help="count in a loop without a server (~6 s; for trying changes), not inside uvicorn",
-    )
+    parser.add_argument("--connections", type=int, default=1, help="sending at once")
+    delay_help = f"the middleware's option (default: its default x {CALLGRIND_SLOWDOWN})"
+    parser.add_argument("--watch-delay", type=float, help=delay_help)
+    parser.add_argument("--option", choices=OPTIONS, help="a middleware option to turn on")
+    python_help = "the interpreter that runs uvicorn (with httptools, uvloop and asgi-cancel)"
+    parser.add_argument("--python", default=sys.executable, help=python_help)
+    in_process_help = "count in a loop without a server (~6 s: for trying changes)"
+    parser.add_argument("--in-process", action="store_true", help=in_process_help)
     parsed = parser.parse_args(args)
     if parsed.in_process:
         results = run_in_process(parsed.requests, tuple(parsed.rows), parsed.python)
         text = render(results).replace("uvicorn (httptools, uvloop)", "in process (uvloop)")
         emit(text.replace(ROWS["sleep"], "awaits a future set on the next loop iteration"))
         return
-    emit(
-        render(
-            run(
-                parsed.requests,
-                tuple(parsed.rows),
-                parsed.keep,
-                parsed.watch_delay,
-                parsed.connections,
-                parsed.option,
-                parsed.python,
-            )
-        )
+    rows, delay, option = tuple(parsed.rows), parsed.watch_delay, parsed.option
+    counts = run(
+        parsed.requests, rows, parsed.keep, delay, parsed.connections, option, parsed.python
     )
+    emit(render(counts))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,12 @@
 
 Each variant serves `GET /slow?id=N`, which holds for `hold` seconds and appends a timestamped
 line to an events file the moment its work is cancelled (`time.monotonic()`: one clock for all
-processes on Linux). A client connects, sends the request, waits a random 100 ms to 1.1 s
-(seeded; a full polling period, so that polling is measured at every phase) and closes, either
-gracefully (FIN) or with `SO_LINGER 0` (RST). Latency = cancellation time - close time.
-All variants run in each batch at once, with the same delays, each on its own server process
-(all pinned to CPU 0), so that a stall of the shared machine hits every column alike.
-"never" means the work ran to its end although the client had gone.
-
-`floor` is a bare ASGI app waiting in `receive()` for `http.disconnect`: the server's own
-delivery, the lower bound for any middleware.
+processes on Linux). A client connects, sends the request, waits a seeded random 0.1-1.1 s (a
+full polling period, so that polling is caught at every phase) and closes, gracefully (FIN) or
+with `SO_LINGER 0` (RST). Latency = cancellation time - close time. Every variant runs in each
+batch at once, with the same delays, each on its own server process (all pinned to CPU 0), so
+that a stall of the shared machine hits every column alike. "never": the work ran to its end
+although the client had gone.
 """
 
 from __future__ import annotations
@@ -19,192 +16,111 @@ import asyncio
 import random
 import socket
 import struct
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from ._util import (
-    emit,
-    fmt,
-    have_py312,
-    loadavg,
-    machine,
-    percentile,
-    save,
-    table,
-)
-from .alternatives import VARIANTS
-from .serve import SERVERS, Server, Servers, python_for
+from ._util import emit, facts, fmt, percentile, table
+from .alternatives import VARIANTS, runnable
+from .serve import SERVERS, servers
 
 LATENCY_VARIANTS = [
-    "floor",
-    "asgi-cancel",
-    "vllm",
-    "poll-1s",
-    "poll-0.1s",
-    "poll-1s+bhm",
-    "poll-0.1s+bhm",
-    "streaming",
-    "fastapi-disconnect",
-    "fastapi-disconnect-decorator",
+    *("floor", "asgi-cancel", "vllm", "poll-1s", "poll-0.1s", "poll-1s+bhm", "poll-0.1s+bhm"),
+    *("streaming", "fastapi-disconnect", "fastapi-disconnect-decorator"),
 ]
-QUICK_VARIANTS = {
-    "floor",
-    "asgi-cancel",
-    "vllm",
-    "poll-0.1s",
-    "poll-0.1s+bhm",
-    "streaming",
-    "fastapi-disconnect",
-}
+QUICK_VARIANTS = (
+    "floor asgi-cancel vllm poll-0.1s poll-0.1s+bhm streaming fastapi-disconnect".split()
+)
 CLOSES = ("fin", "rst")
-MIN_DELAY = 0.1  # after the request: the app has started its work (see not_started)
-SERVER_CPU, CLIENT_CPU = 0, 1
+MIN_DELAY = 0.1  # after the request: the app has started its work
 
 
-class Events:
-    """Reads the events file that a server appends to, incrementally."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.seen: dict[int, dict[str, float]] = {}
-
-    def poll(self) -> None:
-        with self.path.open("rb") as file:
-            file.seek(self.offset)
-            data = file.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        for line in data[:end].splitlines():
-            request_id, event, stamp = line.split()
-            self.seen.setdefault(int(request_id), {})[event.decode()] = float(stamp)
-
-    def ended(self, request_id: int) -> bool:
-        events = self.seen.get(request_id, {})
-        return "cancelled" in events or "completed" in events
+def read_events(path: Path) -> dict[int, dict[str, float]]:
+    seen: dict[int, dict[str, float]] = {}
+    data = path.read_bytes()
+    for line in data[: data.rfind(b"\n") + 1].splitlines():  # whole lines only
+        request_id, event, stamp = line.split()
+        seen.setdefault(int(request_id), {})[event.decode()] = float(stamp)
+    return seen
 
 
-async def client(port: int, request_id: int, delay: float, close: str) -> dict[str, Any]:
+async def client(port: int, request_id: int, delay: float, close: str) -> float:
+    """Send the request, wait `delay`, close; return the close's time."""
     loop = asyncio.get_running_loop()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setblocking(False)
-    try:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
         await loop.sock_connect(sock, ("127.0.0.1", port))
-        request = f"GET /slow?id={request_id} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
-        await loop.sock_sendall(sock, request)
+        request = f"GET /slow?id={request_id} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        await loop.sock_sendall(sock, request.encode())
         await asyncio.sleep(delay)
         if close == "rst":
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        closed_at = time.monotonic()
-    finally:
-        sock.close()
-    return {"id": request_id, "closed": closed_at, "delay": delay}
+        return time.monotonic()
 
 
 async def batch(
-    server: Server,
-    events: Events,
-    first_id: int,
-    size: int,
-    close: str,
-    rng: random.Random,
-    max_delay: float,
-    hold: float,
-) -> list[dict[str, Any]]:
-    delays = [rng.uniform(MIN_DELAY, max_delay) for _ in range(size)]
-    started = time.monotonic()
-    closes = await asyncio.gather(
-        *(client(server.port, first_id + i, delay, close) for i, delay in enumerate(delays))
+    port: int, events: Path, ids: range, close: str, delays: list[float], hold: float
+) -> list[tuple[bool, float | None]]:
+    closed = await asyncio.gather(
+        *(client(port, request_id, d, close) for request_id, d in zip(ids, delays, strict=True))
     )
-    deadline = started + hold + 1.0
-    while True:  # until every request's work has ended one way or the other
-        events.poll()
-        if all(events.ended(c["id"]) for c in closes) or time.monotonic() > deadline:
+    deadline = time.monotonic() + hold + 1.0
+    while True:  # until every request's work has ended, one way or the other
+        seen = read_events(events)
+        ended = [seen.get(i, {}).keys() & {"cancelled", "completed"} for i in ids]
+        if all(ended) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.02)
-    samples = []
-    for entry in closes:
-        seen = events.seen.get(entry["id"], {})
-        sample: dict[str, Any] = {"delay": entry["delay"], "started": "start" in seen}
-        if "cancelled" in seen:
-            sample["latency_ms"] = (seen["cancelled"] - entry["closed"]) * 1e3
-        else:
-            sample["latency_ms"] = None  # never cancelled: ran to the end, or still running
-        samples.append(sample)
-    return samples
+    # A sample: did the work start, and the ms from the close to its cancellation (or None).
+    events_of = [seen.get(request_id, {}) for request_id in ids]
+    return [
+        ("start" in got, (got["cancelled"] - at) * 1e3 if "cancelled" in got else None)
+        for got, at in zip(events_of, closed, strict=True)
+    ]
 
 
-async def run_async(
-    variants: list[str], samples: int, per_batch: int, max_delay: float, hold: float, seed: int
+async def run_server(
+    server_name: str, variants: list[str], settings: dict[str, Any], folder: Path
 ) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    per_batch, hold = settings["per_batch"], settings["hold_s"]
+    events = {variant: Path(folder) / f"{server_name}-{variant}.events" for variant in variants}
+    specs = {
+        variant: {"server": server_name, "variant": variant, "scenario": "slow"}
+        | {"cpu": 0, "hold": hold, "events": events[variant]}
+        for variant in variants
+    }
+    cells: dict[str, dict[str, list[tuple[bool, float | None]]]] = {
+        close: {variant: [] for variant in variants} for close in CLOSES
+    }
     next_id = 0
-    with tempfile.TemporaryDirectory(prefix="asgi-cancel-latency-") as folder:
-        for server_name in SERVERS:
-            servers = {
-                variant: Server(
-                    server_name,
-                    variant,
-                    "slow",
-                    python_for(VARIANTS[variant].python),
-                    cpu=SERVER_CPU,
-                    options={"hold": hold},
-                )
-                for variant in variants
-            }
-            files = {}
-            for variant, server in servers.items():
-                path = Path(folder) / f"{server_name}-{variant}.events"
-                path.touch()
-                server.events = path
-                files[variant] = Events(path)
-            cells: dict[str, dict[str, list[dict[str, Any]]]] = {
-                close: {variant: [] for variant in variants} for close in CLOSES
-            }
-            with Servers(list(servers.values())):
-                rounds = max(1, samples // per_batch)
-                for round_number in range(rounds):
-                    for close in CLOSES:
-                        # Every variant at once, with the same close delays: a hiccup of the
-                        # machine (other jobs share it) hits all columns alike.
-                        firsts = {}
-                        for variant in variants:
-                            firsts[variant] = next_id
-                            next_id += per_batch
-                        results_by_variant = await asyncio.gather(
-                            *(
-                                batch(
-                                    servers[variant],
-                                    files[variant],
-                                    firsts[variant],
-                                    per_batch,
-                                    close,
-                                    random.Random(f"{seed}-{round_number}-{close}"),
-                                    max_delay,
-                                    hold,
-                                )
-                                for variant in variants
-                            )
-                        )
-                        for variant, found in zip(variants, results_by_variant, strict=True):
-                            cells[close][variant] += found
-                    emit(f"  {server_name}: round {round_number + 1}/{rounds} done")
-            results[server_name] = {
-                close: {variant: summarize(cells[close][variant]) for variant in variants}
-                for close in CLOSES
-            }
-    return results
+    with servers(specs) as started:
+        for path in events.values():
+            path.touch()
+        rounds = max(1, settings["samples"] // per_batch)
+        for round_number in range(rounds):
+            for close in CLOSES:
+                rng = random.Random(f"{settings['seed']}-{round_number}-{close}")
+                delays = [rng.uniform(MIN_DELAY, settings["max_delay_s"]) for _ in range(per_batch)]
+                jobs = []
+                for variant in variants:  # every variant at once: a stall hits them alike
+                    ids = range(next_id, next_id + per_batch)
+                    next_id += per_batch
+                    jobs.append(
+                        batch(started[variant].port, events[variant], ids, close, delays, hold)
+                    )
+                for variant, samples in zip(variants, await asyncio.gather(*jobs), strict=True):
+                    cells[close][variant] += samples
+            emit(f"  {server_name}: round {round_number + 1}/{rounds} done")
+    return {close: {v: summarize(cells[close][v]) for v in variants} for close in CLOSES}
 
 
-def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(samples: list[tuple[bool, float | None]]) -> dict[str, Any]:
     # A request whose work never started is left out: with RST the kernel drops request bytes
     # the server had not read yet, so a server that lags behind the close never sees it.
-    started = [s for s in samples if s["started"]]
-    latencies = [s["latency_ms"] for s in started if s["latency_ms"] is not None]
+    started = [latency for began, latency in samples if began]
+    latencies = sorted(latency for latency in started if latency is not None)
     return {
         "n": len(started),
         "cancelled": len(latencies),
@@ -212,85 +128,53 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "not_started": len(samples) - len(started),
         "p50_ms": percentile(latencies, 50),
         "p99_ms": percentile(latencies, 99),
-        "max_ms": max(latencies) if latencies else float("nan"),
-        "latencies_ms": sorted(latencies),
+        "latencies_ms": latencies,
     }
 
 
 def run(quick: bool) -> dict[str, Any]:
-    variants = list(LATENCY_VARIANTS)
     skipped: dict[str, str] = {}
-    if not have_py312():
-        for name in ("fastapi-disconnect", "fastapi-disconnect-decorator"):
-            variants.remove(name)
-            skipped[name] = "no Python 3.12 venv with fastapi-disconnect (see docs)"
+    variants = runnable(QUICK_VARIANTS if quick else LATENCY_VARIANTS, skipped)
+    settings: dict[str, Any] = {"samples": 120, "per_batch": 20, "max_delay_s": 1.1, "hold_s": 3.0}
     if quick:
-        samples, per_batch, max_delay, hold = 3, 3, 0.2, 0.6
-        variants = [v for v in variants if v in QUICK_VARIANTS]
-    else:
-        samples, per_batch, max_delay, hold = 120, 20, 1.1, 3.0
-    started = time.time()
-    load_before = loadavg()
+        settings = {"samples": 3, "per_batch": 3, "max_delay_s": 0.2, "hold_s": 0.6}
+    settings |= {"min_delay_s": MIN_DELAY, "seed": 2024}
     emit("latency: close -> CancelledError, uvicorn and hypercorn")
-    results = asyncio.run(run_async(variants, samples, per_batch, max_delay, hold, seed=2024))
-    data = {
-        "benchmark": "latency",
-        "quick": quick,
-        "command": " ".join(["python -m benchmarks latency", *(["--quick"] if quick else [])]),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-        "seconds": time.time() - started,
-        "load_before": load_before,
-        "load_after": loadavg(),
-        "machine": machine(),
-        "settings": {
-            "samples": samples,
-            "per_batch": per_batch,
-            "close_delay_s": [MIN_DELAY, max_delay],
-            "hold_s": hold,
-        },
+    with tempfile.TemporaryDirectory(prefix="asgi-cancel-latency-") as folder:
+        results = {
+            name: asyncio.run(run_server(name, variants, settings, Path(folder)))
+            for name in SERVERS
+        }
+    return {
+        "settings": settings,
         "variants": variants,
         "skipped": skipped,
         "results": results,
     }
-    save("latency", data, quick=quick)
-    emit(render(data))
-    return data
+
+
+def check(data: dict[str, Any]) -> list[str]:
+    """Nonsense: no sample of the floor, or asgi-cancel leaving a request uncancelled."""
+    problems = []
+    for server_name, by_close in data["results"].items():
+        for close, cells in by_close.items():
+            floor, ours = cells["floor"], cells["asgi-cancel"]
+            if floor["cancelled"] == 0 or ours["n"] == 0 or ours["never"]:
+                problems.append(f"latency {server_name}/{close}: floor {floor}, asgi-cancel {ours}")
+    return problems
 
 
 def render(data: dict[str, Any]) -> str:
-    parts = []
-    for server_name, by_close in data["results"].items():
-        rows = []
-        for variant in data["variants"]:
-            cells = [VARIANTS[variant].label]
-            for close in CLOSES:
-                cell = by_close[close][variant]
-                if cell["cancelled"] == 0:
-                    cells += [f"never ({cell['never']}/{cell['n']})", "never"]
-                else:
-                    never = f" ({cell['never']} never)" if cell["never"] else ""
-                    if cell["not_started"]:
-                        never += f" ({cell['not_started']} not started)"
-                    cells += [fmt(cell["p50_ms"], 2) + never, fmt(cell["p99_ms"], 2)]
-            floor = by_close["fin"].get("floor")
-            fin = by_close["fin"][variant]
-            if floor and fin["cancelled"] and variant != "floor":
-                cells.append(fmt(fin["p50_ms"] - floor["p50_ms"], 2))
-            else:
-                cells.append("-")
-            rows.append(cells)
-        parts.append(f"**{server_name}**: close → app's CancelledError, ms\n")
-        parts.append(
-            table(
-                ["variant", "FIN p50", "FIN p99", "RST p50", "RST p99", "FIN p50 minus floor"],
-                rows,
-            )
-        )
-        parts.append("")
-    for name, why in data.get("skipped", {}).items():
-        parts.append(f"skipped {name}: {why}")
-    return "\n".join(parts)
-
-
-if __name__ == "__main__":
-    run("--quick" in sys.argv)
+    names = [name for name in SERVERS if name in data["results"]]
+    rows = []
+    for variant in data["variants"]:
+        row = [VARIANTS[variant].label]
+        for cell in (data["results"][name][close][variant] for name in names for close in CLOSES):
+            notes = f" ({cell['never']} never)" if cell["never"] else ""
+            notes += f" ({cell['not_started']} not started)" if cell["not_started"] else ""
+            ms = f"{fmt(cell['p50_ms'], 2)} / {fmt(cell['p99_ms'], 2)}{notes}"
+            row.append(ms if cell["cancelled"] else f"never ({cell['never']}/{cell['n']})")
+        rows.append(row)
+    headers = ["variant", *(f"{name} {c.upper()} p50 / p99" for name in names for c in CLOSES)]
+    title = "**close → the app's CancelledError**, ms\n\n"
+    return title + table(headers, rows) + "\n\n" + facts(data)

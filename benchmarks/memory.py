@@ -1,145 +1,210 @@
 """4. Memory and leaks: many requests, each cancelled by a disconnect, in process.
 
-Each variant runs in a fresh interpreter (`_inproc memory`): requests are started in batches,
-each parks in its work (a one-hour sleep), then every client disconnects (uvicorn-style
-receive: `http.disconnect` to every caller from then on) and the harness waits for each request
-to end. Reported: RSS before and after (after a warm-up batch), tasks still alive afterwards,
-the change in `len(gc.get_objects())` after `gc.collect()`, and how many requests the
-alternative actually ended (polling behind `BaseHTTPMiddleware` and the baseline never do: they
-are left out, see the latency table).
+Each variant runs in a fresh interpreter (`python -m benchmarks.memory VARIANT ...`): requests
+start in batches, each parks in its work (a one-hour sleep), then every client disconnects and
+the harness waits for each request to end. The fake server behaves like uvicorn's
+`RequestResponseCycle`: the body at once, then a `receive()` that waits until the client
+leaves (or the response is complete) and returns `http.disconnect` to every caller, as often as
+asked; one task per request. Reported: RSS before and after (after two warm-up batches), RSS
+growth after the first tenth (a leak is a slope, a high-water mark a step at the start), tasks
+left, the change in `len(gc.get_objects())`, and objects only the cyclic collector frees.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import os
 import subprocess
 import sys
 import time
-from typing import Any
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, cast
 
-from ._util import ROOT, emit, fmt, have_py312, loadavg, machine, save, table
-from .alternatives import VARIANTS
-from .serve import python_for
+from asgi_cancel.types import Message
+
+from ._util import ROOT, emit, facts, fmt, table
+from .alternatives import VARIANTS, build, python, runnable
 
 MEMORY_VARIANTS = [
-    "asgi-cancel",
-    "vllm",
-    "poll-1s",
-    "poll-0.1s",
-    "streaming",
-    "asgi-cancel-py312",
-    "fastapi-disconnect",
-    "fastapi-disconnect-decorator",
+    *("asgi-cancel", "vllm", "poll-1s", "poll-0.1s", "streaming"),
+    *("asgi-cancel-py312", "fastapi-disconnect", "fastapi-disconnect-decorator"),
 ]
-NEVER_CANCEL = ["baseline", "poll-1s+bhm", "poll-0.1s+bhm"]
-QUICK_VARIANTS = {"asgi-cancel", "vllm", "poll-0.1s", "streaming", "fastapi-disconnect"}
+QUICK_VARIANTS = ["asgi-cancel", "vllm", "poll-0.1s", "streaming", "fastapi-disconnect"]
+NEVER_CANCEL = {  # every request would stay alive for the hour: not run
+    name: "never cancels (see the latency table)"
+    for name in ("baseline", "poll-1s+bhm", "poll-0.1s+bhm")
+}
+
+
+class FakeConnection:
+    def __init__(self) -> None:
+        self.body_sent, self.over = False, asyncio.Event()  # over: the client left, or done
+
+    async def receive(self) -> Message:
+        if not self.body_sent:
+            self.body_sent = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await self.over.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.over.set()
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def child(variant: str, requests: int, batch: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    started = 0
+
+    def count(request_id: int, event: str) -> None:
+        nonlocal started
+        started += event == "start"
+
+    app = build(variant, "slow", hold=3600.0, record=count)
+
+    async def one_batch(size: int) -> int:
+        """Start `size` requests, disconnect them all once they work; return how many ended."""
+        nonlocal started
+        started = 0
+        connections = [FakeConnection() for _ in range(size)]
+        calls = [app(_scope(i), c.receive, c.send) for i, c in enumerate(connections)]
+        tasks = [loop.create_task(cast(Coroutine[Any, Any, None], call)) for call in calls]
+        for _ in range(1000):  # until every handler is parked in its work
+            if started >= size:
+                break
+            await asyncio.sleep(0)
+        for connection in connections:
+            connection.over.set()
+        _done, pending = await asyncio.wait(tasks, timeout=5.0)
+        for task in pending:  # never cancelled by the alternative: shut down as a server would
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is not None:
+                raise RuntimeError(f"{variant}: the app raised") from task.exception()
+        return size - len(pending)
+
+    for _ in range(2):  # warm-up at full batch size: the high-water mark is reached here
+        await one_batch(batch)
+    series: list[tuple[int, int]] = []  # (requests done, RSS) after each batch
+    await asyncio.sleep(0.05)
+    gc.collect()
+    own_tasks, objects_before = len(asyncio.all_tasks()), len(gc.get_objects())
+    rss_before, ended = rss_bytes(), 0
+    clock = time.perf_counter()
+    for done in range(0, requests, batch):
+        ended += await one_batch(min(batch, requests - done))
+        series.append((min(done + batch, requests), rss_bytes()))
+    elapsed = time.perf_counter() - clock
+    await asyncio.sleep(0.05)  # helper tasks that were cancelled but not awaited finish now
+    gc.collect()
+    result = {
+        "requests": requests,
+        "ended_by_disconnect": ended,
+        "seconds": elapsed,
+        "rss_before": rss_before,
+        "rss_after": rss_bytes(),
+        "rss_series": series,
+        "live_tasks_after": len(asyncio.all_tasks()) - own_tasks,
+        "gc_objects_delta": len(gc.get_objects()) - objects_before,
+    }
+    # One more batch, to count what only the cyclic collector frees (exception and traceback
+    # cycles): between collections, that garbage is what makes RSS climb.
+    probe = min(batch, 500)
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    await one_batch(probe)
+    await asyncio.sleep(0.05)
+    gc.collect()
+    result["cyclic_garbage_per_request"] = len(gc.garbage) / probe
+    gc.garbage.clear()
+    gc.set_debug(0)
+    return result
+
+
+def _scope(index: int) -> dict[str, Any]:  # as uvicorn makes it
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+    }  # as uvicorn's
+    scope |= {"http_version": "1.1", "method": "GET", "scheme": "http", "path": "/slow"}
+    scope |= {"raw_path": b"/slow", "query_string": b"id=%d" % index, "root_path": ""}
+    scope |= {"headers": [(b"host", b"127.0.0.1:8000")], "client": ("127.0.0.1", 50000)}
+    return scope | {"server": ("127.0.0.1", 8000), "state": {}}
 
 
 def run(quick: bool) -> dict[str, Any]:
-    variants = list(MEMORY_VARIANTS)
-    skipped: dict[str, str] = {
-        name: "never cancels: every request would stay alive (see the latency table)"
-        for name in NEVER_CANCEL
-    }
-    if not have_py312():
-        for name in ("asgi-cancel-py312", "fastapi-disconnect", "fastapi-disconnect-decorator"):
-            variants.remove(name)
-            skipped[name] = "no Python 3.12 venv with fastapi-disconnect (see docs)"
+    skipped = dict(NEVER_CANCEL)
+    variants = runnable(QUICK_VARIANTS if quick else MEMORY_VARIANTS, skipped)
     requests, batch = (2_000, 500) if quick else (100_000, 2_000)
-    if quick:  # a subset: --quick proves that it runs
-        for name in [v for v in variants if v not in QUICK_VARIANTS]:
-            variants.remove(name)
-            skipped[name] = "left out of --quick"
-    started = time.time()
-    load_before = loadavg()
     emit(f"memory: {requests:,} cancelled requests per variant, in process")
     results: dict[str, Any] = {}
     for variant in variants:
-        completed = subprocess.run(
-            [
-                python_for(VARIANTS[variant].python),
-                *("-m", "benchmarks._inproc", "memory", variant),
-                *("--requests", str(requests), "--batch", str(batch)),
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if completed.returncode != 0:
-            raise RuntimeError(f"memory {variant} failed:\n{completed.stderr[-3000:]}")
-        results[variant] = json.loads(completed.stdout)
+        argv = ["-m", "benchmarks.memory", variant, str(requests), str(batch)]
+        command = [python(variant), *argv]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"memory {variant} failed:\n{done.stderr[-3000:]}")
+        results[variant] = json.loads(done.stdout)
         emit(f"  {variant}: done in {results[variant]['seconds']:.1f} s")
-    data = {
-        "benchmark": "memory",
-        "quick": quick,
-        "command": " ".join(["python -m benchmarks memory", *(["--quick"] if quick else [])]),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-        "seconds": time.time() - started,
-        "load_before": load_before,
-        "load_after": loadavg(),
-        "machine": machine(),
+    return {
         "settings": {"requests": requests, "batch": batch},
         "variants": variants,
         "skipped": skipped,
         "results": results,
     }
-    save("memory", data, quick=quick)
-    emit(render(data))
-    return data
+
+
+def check(data: dict[str, Any]) -> list[str]:
+    ours = data["results"]["asgi-cancel"]
+    if ours["ended_by_disconnect"] != ours["requests"] or ours["live_tasks_after"]:
+        return [f"memory: asgi-cancel did not end every request, or left tasks: {ours}"]
+    return []
 
 
 def late_growth(row: dict[str, Any]) -> float:
     """RSS growth after the first tenth of the requests: what a leak would keep adding."""
-    series = row.get("rss_series") or []
-    if not series:
-        return float("nan")
+    series = row["rss_series"]
     tenth = next((rss for done, rss in series if done >= row["requests"] / 10), series[0][1])
     return float(series[-1][1] - tenth)
 
 
 def render(data: dict[str, Any]) -> str:
-    rows = []
-    for variant in data["variants"]:
-        row = data["results"][variant]
-        mib = 1024 * 1024
-        rows.append(
-            [
-                VARIANTS[variant].label,
-                f"{row['ended_by_disconnect']:,}/{row['requests']:,}",
-                fmt(row["rss_before"] / mib, 1),
-                fmt(row["rss_after"] / mib, 1),
-                fmt((row["rss_after"] - row["rss_before"]) / mib, 1),
-                fmt(late_growth(row) / mib, 1),
-                row["live_tasks_after"],
-                f"{row['gc_objects_delta']:+,}",
-                fmt(row.get("cyclic_garbage_per_request"), 0),
-                fmt(row["seconds"] / row["requests"] * 1e6, 0),
-            ]
-        )
-    out = (
-        f"**memory**: {data['settings']['requests']:,} requests cancelled in process, "
-        f"{data['settings']['batch']:,} at a time\n\n"
-    )
-    out += table(
+    mib = 1024 * 1024
+    rows = [
         [
-            "variant",
-            "ended by the disconnect",
-            "RSS before MiB",
-            "RSS after MiB",
-            "RSS delta MiB",
-            "RSS growth over the last 90% MiB",
-            "live tasks after",
-            "gc objects delta",
-            "objects left to the cyclic GC/request",
-            "µs per cancelled request",
-        ],
-        rows,
+            VARIANTS[variant].label,
+            f"{row['ended_by_disconnect']:,}/{row['requests']:,}",
+            fmt(row["rss_before"] / mib),
+            fmt((row["rss_after"] - row["rss_before"]) / mib),
+            fmt(late_growth(row) / mib),
+            row["live_tasks_after"],
+            f"{row['gc_objects_delta']:+,}",
+            fmt(row["cyclic_garbage_per_request"], 0),
+            fmt(row["seconds"] / row["requests"] * 1e6, 0),
+        ]
+        for variant, row in ((v, data["results"][v]) for v in data["variants"])
+    ]
+    settings = data["settings"]
+    headers = ["variant", "ended by the disconnect", "RSS before MiB", "RSS growth MiB"]
+    headers += ["RSS growth over the last 90% MiB", "live tasks after", "gc objects delta"]
+    headers += ["objects left to the cyclic GC/request", "µs per cancelled request"]
+    text = (
+        f"**memory**: {settings['requests']:,} requests cancelled in process, "
+        f"{settings['batch']:,} at a time\n\n" + table(headers, rows)
     )
-    for name, why in data.get("skipped", {}).items():
-        out += f"\nskipped {name}: {why}"
-    return out
+    return text + "\n\n" + facts(data)
 
 
-if __name__ == "__main__":
-    run("--quick" in sys.argv)
+if __name__ == "__main__":  # the child: python -m benchmarks.memory VARIANT REQUESTS BATCH
+    import uvloop
+
+    variant, requests, batch = sys.argv[1:]
+    sys.stdout.write(json.dumps(uvloop.run(child(variant, int(requests), int(batch)))) + "\n")

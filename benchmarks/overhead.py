@@ -1,13 +1,14 @@
-"""1. Overhead: a hello-world JSON endpoint under real servers with wrk, plus in-process costs.
+"""1. Overhead: a hello world under real servers with wrk, and instructions per request.
 
-For each server, every variant runs as its own server process pinned to CPU 0 (they idle until
-measured) and wrk runs pinned to CPU 1 at fixed concurrency. Runs alternate: baseline, variant,
-baseline, next variant, ... and each variant's ratio is taken against the baseline run right
-before it, in the same interpreter group (3.11: the dev venv; 3.12: fastapi-disconnect's venv;
-bare ASGI). The ratios' medians over the repetitions are what the tables quote. Server CPU per
-request is the server process's utime+stime delta over the run divided by wrk's request count.
-Instructions per request (callgrind, deterministic): every variant in process, and the bare ASGI
-app that never awaits and one that awaits 1 ms inside uvicorn (`benchmarks.instructions`).
+Every variant runs as its own server process pinned to CPU 0 (they idle until measured); wrk
+runs pinned to CPU 1 at fixed concurrency. Runs alternate (baseline, variant, baseline, next
+variant, ...) and each ratio is taken against the baseline run right before it, in the same
+interpreter group; the tables quote the medians over the repetitions. Server CPU per request is
+the server process's utime+stime over the run divided by wrk's request count. Each server also
+counts its garbage-collector runs: a middleware that keeps a request's objects alive past the
+request shows there long before it shows in CPU time. Last, `benchmarks.instructions`: the
+instructions per request inside uvicorn, bare and wrapped, for an app that never awaits and one
+that awaits 1 ms (callgrind: deterministic, unlike wall-clock on a shared machine).
 """
 
 from __future__ import annotations
@@ -16,360 +17,167 @@ import json
 import re
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Any
 
-from ._callgrind import available as callgrind_available
-from ._callgrind import run_callgrind
-from ._util import (
-    ROOT,
-    emit,
-    fmt,
-    have_py312,
-    loadavg,
-    machine,
-    median,
-    save,
-    table,
-)
-from .alternatives import VARIANTS
-from .instructions import render as render_instructions
-from .instructions import run as instructions_in_uvicorn
-from .serve import SERVERS, Server, Servers, python_for
+from . import instructions
+from ._process import Process
+from ._util import cpu_seconds, emit, facts, fmt, median, table
+from .alternatives import VARIANTS, runnable
+from .serve import SERVERS, servers
 
-GROUPS: dict[str, list[str]] = {
-    "fastapi": [
-        "baseline",
-        "asgi-cancel",
-        "passthrough",
-        "vllm",
-        "poll-1s",
-        "poll-0.1s",
-        "streaming",
-    ],
+GROUPS = {  # each group's first variant is its baseline
+    "fastapi": "baseline asgi-cancel passthrough vllm poll-1s poll-0.1s streaming".split(),
     "fastapi-py312": [
-        "baseline-py312",
-        "asgi-cancel-py312",
-        "fastapi-disconnect",
-        "fastapi-disconnect-decorator",
+        *("baseline-py312", "asgi-cancel-py312"),
+        *("fastapi-disconnect", "fastapi-disconnect-decorator"),
     ],
     "raw": ["raw-baseline", "raw-asgi-cancel", "raw-passthrough"],
 }
 LUA = Path(__file__).resolve().parent / "wrk_report.lua"
 SERVER_CPU, CLIENT_CPU = 0, 1
-CALLGRIND_REQUESTS = 500
+# gen-0 collections per 1,000 requests that wrapping may cost (uvicorn, quick mode's check):
+# a finished request kept alive by the middleware costs ~30, a do-nothing middleware ~0.
+GC_ALLOWED = 3.0
 
 
-def wrk(port: int, seconds: int, connections: int) -> dict[str, Any]:
-    command = [
-        "wrk",
-        "-t1",
-        f"-c{connections}",
-        f"-d{max(1, seconds)}s",
-        "--timeout",
-        "5s",
-        "-s",
-        str(LUA),
-        f"http://127.0.0.1:{port}/",
-    ]
-    if shutil.which("taskset"):
-        command = ["taskset", "-c", str(CLIENT_CPU), *command]
-    output = subprocess.run(
-        command, capture_output=True, text=True, check=True, timeout=seconds + 30
-    ).stdout
-    match = re.search(r"^JSON (\{.*\})$", output, re.MULTILINE)
+def wrk(server: Process, seconds: int, connections: int = 32) -> dict[str, Any]:
+    """wrk's summary (wrk_report.lua), and the server's CPU time per request over the run."""
+    command = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "5s"]
+    command = ["taskset", "-c", str(CLIENT_CPU), *command] if shutil.which("taskset") else command
+    cpu = cpu_seconds(server.pid)
+    url = f"http://127.0.0.1:{server.port}/"
+    done = subprocess.run(
+        [*command, "-s", str(LUA), url], capture_output=True, text=True, timeout=seconds + 30
+    )
+    match = re.search(r"^JSON (\{.*\})$", done.stdout, re.MULTILINE)
     if match is None:
-        raise RuntimeError(f"wrk printed no summary:\n{output}")
+        raise RuntimeError(f"wrk printed no summary:\n{done.stdout}{done.stderr}")
     result: dict[str, Any] = json.loads(match.group(1))
-    return result
-
-
-def measure(server: Server, seconds: int, connections: int) -> dict[str, Any]:
-    cpu0, ns0, load0 = server.cpu_seconds(), server.cpu_ns(), loadavg()[0]
-    result = wrk(server.port, seconds, connections)
-    cpu1, ns1 = server.cpu_seconds(), server.cpu_ns()
-    requests = max(1, result["requests"])
     result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
-    result["cpu_us_per_request"] = (cpu1 - cpu0) / requests * 1e6
-    result["sched_us_per_request"] = (ns1 - ns0) / requests / 1e3
-    result["load1"] = load0
+    used = cpu_seconds(server.pid) - cpu
+    result["cpu_us_per_request"] = used / max(1, result["requests"]) * 1e6
     return result
 
 
-def run_servers(
-    groups: dict[str, list[str]],
-    repetitions: int,
-    seconds: int,
-    connections: int,
-    warm_up: bool = True,
+def run_server(
+    server_name: str, groups: dict[str, list[str]], repetitions: int, seconds: int, warm_up: bool
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for server_name in SERVERS:
-        servers = {
-            (group, variant): Server(
-                server_name,
-                variant,
-                "hello",
-                python_for(VARIANTS[variant].python),
-                cpu=SERVER_CPU,
-            )
-            for group, variants in groups.items()
-            for variant in variants
+    """One server's table: every variant of `groups`, paired with its group's baseline."""
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for vs in groups.values() for v in vs}
+    warm: dict[str, list[dict[str, Any]]] = {variant: [] for variant in runs}
+    ratios: dict[str, dict[str, list[float]]] = {}
+    with TemporaryDirectory(prefix="asgi-cancel-gc-") as folder:
+        gc_files = {variant: Path(folder) / f"{variant}.gc" for variant in runs}
+        specs = {
+            variant: {"server": server_name, "variant": variant, "scenario": "hello"}
+            | {"cpu": SERVER_CPU, "gc_file": gc_files[variant]}
+            for variant in runs
         }
-        runs: dict[str, list[dict[str, Any]]] = {variant: [] for _g, variant in servers}
-        pairs: dict[str, list[dict[str, float]]] = {}
-        with Servers(list(servers.values())):
-            for server in servers.values() if warm_up else ():
-                wrk(server.port, 1, connections)  # warm up: caches, pools, lazy imports
+        with servers(specs) as started:
+            for variant, server in started.items() if warm_up else ():
+                warm[variant].append(wrk(server, 1))  # caches, lazy imports
             for repetition in range(repetitions):
-                for group, variants in groups.items():
-                    baseline, *others = variants
+                for baseline, *others in groups.values():
                     for variant in others:
-                        base = measure(servers[group, baseline], seconds, connections)
-                        this = measure(servers[group, variant], seconds, connections)
+                        base, this = wrk(started[baseline], seconds), wrk(started[variant], seconds)
                         runs[baseline].append(base)
                         runs[variant].append(this)
-                        pairs.setdefault(variant, []).append(
-                            {
-                                "rps": this["rps"] / base["rps"],
-                                "cpu": this["cpu_us_per_request"] / base["cpu_us_per_request"],
-                                "sched": this["sched_us_per_request"]
-                                / base["sched_us_per_request"],
-                                "p99": this["p99_us"] / max(1, base["p99_us"]),
-                            }
-                        )
+                        pair = ratios.setdefault(variant, {"rps": [], "cpu": [], "p99": []})
+                        pair["rps"].append(this["rps"] / base["rps"])
+                        pair["cpu"].append(this["cpu_us_per_request"] / base["cpu_us_per_request"])
+                        pair["p99"].append(this["p99_us"] / max(1, base["p99_us"]))
                 emit(f"  {server_name}: repetition {repetition + 1}/{repetitions} done")
-        summary: dict[str, Any] = {}
-        for group, variants in groups.items():
-            for variant in variants:
-                these = runs[variant]
-                summary[variant] = {
-                    "group": group,
-                    "baseline": variants[0],
-                    "rps": median(run["rps"] for run in these),
-                    "p99_ms": median(run["p99_us"] for run in these) / 1e3,
-                    "cpu_us_per_request": median(run["cpu_us_per_request"] for run in these),
-                    "sched_us_per_request": median(run["sched_us_per_request"] for run in these),
-                    "errors": sum(run["errors"] + run["status_errors"] for run in these),
-                    "runs": these,
-                }
-                if variant in pairs:
-                    ratios = pairs[variant]
-                    summary[variant]["ratios"] = ratios
-                    for key in ("rps", "cpu", "sched", "p99"):
-                        summary[variant][f"{key}_ratio"] = median(r[key] for r in ratios)
-        out[server_name] = summary
-    return out
-
-
-def run_inproc(
-    groups: dict[str, list[str]], requests: int, rounds: int, quick: bool
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for group, variants in groups.items():
-        python = python_for(VARIANTS[variants[0]].python)
-        result = subprocess.run(
-            [python, "-m", "benchmarks._inproc", "micro", *variants]
-            + ["--requests", str(requests), "--rounds", str(rounds)]
-            + (["--quick"] if quick else []),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=600,
-        )
-        data = json.loads(result.stdout)
-        base = data["variants"][variants[0]]
-        for variant in variants:
-            row = data["variants"][variant]
-            row["group"] = group
-            row["baseline"] = variants[0]
-            # Added cost per round, paired with the same round's baseline, then the median.
-            row["us_added"] = median(
-                t - b for t, b in zip(row["us_per_request"], base["us_per_request"], strict=True)
-            )
-            row["ratio"] = median(
-                t / b for t, b in zip(row["us_per_request"], base["us_per_request"], strict=True)
-            )
-            row["peak_alloc_added"] = row["peak_alloc_bytes"] - base["peak_alloc_bytes"]
-            out[variant] = row
-    return out
+        collections = {
+            v: [int(n) for n in path.read_text().split()] for v, path in gc_files.items()
+        }
+    summary: dict[str, Any] = {}
+    for variant, these in runs.items():
+        served = sum(run["requests"] for run in these + warm[variant])
+        summary[variant] = {
+            "rps": median(run["rps"] for run in these),
+            "p99_ms": median(run["p99_us"] for run in these) / 1e3,
+            "cpu_us_per_request": median(run["cpu_us_per_request"] for run in these),
+            "errors": sum(run["errors"] + run["status_errors"] for run in these + warm[variant]),
+            "requests": served,
+            "gc_per_1000": [count * 1000 / max(1, served) for count in collections[variant]],
+            "ratios": ratios.get(variant, {}),
+        }
+    return summary
 
 
 def run(quick: bool) -> dict[str, Any]:
-    groups = dict(GROUPS)
-    skipped: dict[str, str] = {}
-    if not have_py312():
-        skipped["fastapi-py312"] = "no Python 3.12 venv with fastapi-disconnect (see docs)"
-        groups.pop("fastapi-py312")
-    server_groups = groups
-    if quick:  # proves that everything runs; a subset of the variants under the servers
-        repetitions, seconds, connections = 1, 1, 32
-        requests, rounds = 100, 2
-        server_groups = {group: variants[:2] for group, variants in groups.items()}
-        if "fastapi-py312" in server_groups:
-            server_groups["fastapi-py312"] = ["baseline-py312", "fastapi-disconnect"]
-    else:
-        repetitions, seconds, connections = 5, 3, 32
-        requests, rounds = 2000, 9
-    started = time.time()
-    load_before = loadavg()
-    emit("overhead: in-process microbenchmark")
-    inproc = run_inproc(groups, requests, rounds, quick)
-    instructions: dict[str, Any] = {}
-    uvicorn_instructions: dict[str, Any] = {}
-    if quick:
-        skipped["callgrind"] = "left out of --quick"
-    elif not callgrind_available():
-        skipped["callgrind"] = "valgrind is not installed"
-    else:
-        emit("overhead: instructions per request under callgrind")
-        instructions = run_callgrind(
-            {
-                group: (python_for(VARIANTS[variants[0]].python), variants)
-                for group, variants in groups.items()
-            },
-            CALLGRIND_REQUESTS,
-        )
-        emit("overhead: instructions per request inside uvicorn under callgrind")
-        uvicorn_instructions = instructions_in_uvicorn()
-    servers: dict[str, Any] = {}
     if shutil.which("wrk") is None:
-        skipped["servers"] = "wrk is not installed (apt-get install wrk)"
-    else:
-        emit("overhead: wrk against uvicorn and hypercorn")
-        servers = run_servers(server_groups, repetitions, seconds, connections, warm_up=not quick)
-    data = {
-        "benchmark": "overhead",
-        "quick": quick,
-        "command": " ".join(["python -m benchmarks overhead", *(["--quick"] if quick else [])]),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-        "seconds": time.time() - started,
-        "load_before": load_before,
-        "load_after": loadavg(),
-        "machine": machine(),
-        "settings": {
-            "repetitions": repetitions,
-            "seconds_per_run": seconds,
-            "connections": connections,
-            "inproc_requests": requests,
-            "inproc_rounds": rounds,
-            "server_cpu": SERVER_CPU,
-            "client_cpu": CLIENT_CPU,
-        },
-        "groups": groups,
-        "server_groups": server_groups,
-        "skipped": skipped,
-        "inproc": inproc,
-        "instructions": instructions,
-        "uvicorn_instructions": uvicorn_instructions,
-        "servers": servers,
+        raise SystemExit("overhead: wrk is not installed (apt-get install wrk)")
+    skipped: dict[str, str] = {}
+    groups = {name: runnable(vs[:2] if quick else vs, skipped) for name, vs in GROUPS.items()}
+    groups = {name: variants for name, variants in groups.items() if variants}  # quick: 2 each
+    repetitions, seconds = (1, 1) if quick else (5, 3)
+    emit("overhead: wrk against uvicorn and hypercorn")
+    results = {
+        name: run_server(name, groups, repetitions, seconds, warm_up=not quick) for name in SERVERS
     }
-    save("overhead", data, quick=quick)
-    emit(render(data))
-    return data
+    counts: dict[str, Any] = {}
+    if shutil.which("valgrind") is None:
+        skipped["instructions"] = "valgrind is not installed"
+    else:
+        emit("overhead: instructions per request inside uvicorn (callgrind)")
+        counts = instructions.run(requests=300 if quick else instructions.REQUESTS)
+    return {
+        "settings": {"repetitions": repetitions, "seconds_per_run": seconds, "connections": 32},
+        "groups": groups,
+        "skipped": skipped,
+        "servers": results,
+        "instructions": counts,
+    }
+
+
+def check(data: dict[str, Any]) -> list[str]:
+    """What makes a quick run nonsense: no requests, errors, extra collections, odd counts."""
+    problems = [
+        f"overhead {server_name}/{variant}: {row['requests']} requests, {row['errors']} errors"
+        for server_name, summary in data["servers"].items()
+        for variant, row in summary.items()
+        if row["requests"] < 100 or row["errors"]
+    ]
+    uvicorn = data["servers"]["uvicorn"]
+    for bare, wrapped in (("baseline", "asgi-cancel"), ("raw-baseline", "raw-asgi-cancel")):
+        counts = uvicorn[bare]["gc_per_1000"][0], uvicorn[wrapped]["gc_per_1000"][0]
+        if counts[1] > max(GC_ALLOWED, 3 * counts[0]):  # it keeps requests' objects alive
+            problems.append(f"overhead: gen-0 collections/1,000 requests {bare} {wrapped} {counts}")
+    for row, counts in data["instructions"].items():
+        if not 0 < counts["bare"] < counts["asgi-cancel"] < 3 * counts["bare"]:
+            problems.append(f"overhead: instructions per request, {row}: {counts}")
+    return problems
+
+
+def _ratio(row: dict[str, Any], key: str, spread: bool = True) -> str:
+    """The median of the paired ratios, and their range over the repetitions."""
+    values = row["ratios"].get(key)
+    if not values:
+        return "(baseline)"
+    return f"x{median(values):.3f}" + (f" ({min(values):.2f}-{max(values):.2f})" if spread else "")
 
 
 def render(data: dict[str, Any]) -> str:
-    parts: list[str] = []
-    order = [variant for variants in data["server_groups"].values() for variant in variants]
-    for server_name in [name for name in SERVERS if name in data["servers"]]:
-        summary = data["servers"][server_name]
-        rows = []
-        for variant in order:
-            row = summary[variant]
-            is_base = variant == row["baseline"]
-            rows.append(
-                [
-                    VARIANTS[variant].label,
-                    fmt(row["rps"], 0),
-                    "1 (baseline)" if is_base else _spread(row, "rps"),
-                    fmt(row["cpu_us_per_request"], 1),
-                    "1 (baseline)" if is_base else _spread(row, "cpu"),
-                    fmt(row["p99_ms"], 1),
-                    "1 (baseline)" if is_base else fmt(row.get("p99_ratio"), 2),
-                    row["errors"],
-                ]
-            )
-        parts.append(f"**{server_name}**, hello-world JSON, wrk, medians\n")
-        parts.append(
-            table(
-                [
-                    "variant",
-                    "req/s",
-                    "req/s ratio (min-max)",
-                    "server CPU µs/req",
-                    "CPU/req ratio (min-max)",
-                    "p99 ms",
-                    "p99 ratio",
-                    "errors",
-                ],
-                rows,
-            )
-        )
-        parts.append("")
+    names = [name for name in SERVERS if name in data["servers"]]
     rows = []
-    for variant in [variant for variants in data["groups"].values() for variant in variants]:
-        row = data["inproc"][variant]
-        is_base = variant == row["baseline"]
-        rows.append(
-            [
-                VARIANTS[variant].label,
-                fmt(row["us_median"], 2),
-                "0 (baseline)" if is_base else fmt(row["us_added"], 2),
-                "1 (baseline)" if is_base else fmt(row["ratio"], 3),
-                fmt(row["tasks_per_request"], 2),
-                fmt(row["peak_alloc_bytes"], 0),
-                fmt(row.get("cyclic_garbage_per_request"), 1),
-                _instructions(data, variant),
-            ]
-        )
-    parts.append("**in-process** (ASGI level, uvloop, no sockets), medians\n")
-    parts.append(
-        table(
-            [
-                "variant",
-                "µs/request",
-                "µs added",
-                "ratio",
-                "tasks created/request",
-                "peak bytes/request",
-                "objects left to the cyclic GC/request",
-                "instructions/request (callgrind)",
-            ],
-            rows,
-        )
-    )
-    if data.get("uvicorn_instructions"):
-        parts.append(
-            "\n**inside uvicorn** (httptools, uvloop; `python -m benchmarks.instructions`), "
-            "bare ASGI apps, 2,000 keep-alive requests\n"
-        )
-        parts.append(render_instructions(data["uvicorn_instructions"]))
-    for name, why in data.get("skipped", {}).items():
-        parts.append(f"\nskipped {name}: {why}")
-    return "\n".join(parts)
-
-
-def _spread(row: dict[str, Any], key: str) -> str:
-    """The median of the paired ratios, and their range over the repetitions."""
-    ratios = [pair[key] for pair in row.get("ratios", [])]
-    if not ratios:
-        return "n/a"
-    return f"{row[key + '_ratio']:.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
-
-
-def _instructions(data: dict[str, Any], variant: str) -> str:
-    row = data.get("instructions", {}).get(variant)
-    if row is None:
-        return "n/a"
-    text = f"{row['instructions_per_request'] / 1e3:,.1f} k"
-    if "ratio" in row:
-        text += f" (x{row['ratio']:.3f})"
-    return text
-
-
-if __name__ == "__main__":
-    run("--quick" in sys.argv)
+    for variant in (variant for variants in data["groups"].values() for variant in variants):
+        row = [VARIANTS[variant].label]
+        for name in names:
+            cell = data["servers"][name][variant]
+            errors = f" ({cell['errors']} errors)" if cell["errors"] else ""
+            collections = cell.get("gc_per_1000")  # gen-0
+            row.append(fmt(cell["rps"], 0) + errors)
+            row.append(f"{fmt(cell['cpu_us_per_request'], 1)} {_ratio(cell, 'cpu')}")
+            row.append(f"{fmt(cell['p99_ms'], 1)} {_ratio(cell, 'p99', spread=False)}")
+            row.append(fmt(collections[0], 1) if collections else "n/a")
+        rows.append(row)
+    columns = ("req/s", "CPU µs/req (ratio, range)", "p99 ms (ratio)", "gen-0 GCs/1k req")
+    headers = ["variant", *(f"{name} {column}" for name in names for column in columns)]
+    parts = ["**hello world**, `wrk -c32`, medians\n", table(headers, rows), ""]
+    if data["instructions"]:
+        parts += ["**inside uvicorn**, bare ASGI apps, `python -m benchmarks.instructions`\n"]
+        parts.append(instructions.render(data["instructions"]))
+    return "\n".join(parts) + "\n\n" + facts(data)

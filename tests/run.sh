@@ -22,7 +22,7 @@ fi
 echo "== installing asgi-cancel[dev] into $venv"
 "$venv/bin/python" -m pip install -q -e '.[dev]'
 
-echo "== pytest (ASGI level, real servers, example app, benchmarks --quick; branch coverage >= 90%)"
+echo "== pytest (ASGI level, real servers, example app; branch coverage >= 90%)"
 status=0
 coverage=(--cov=asgi_cancel --cov-report=term)
 [ "$#" -gt 0 ] || coverage+=(--cov-fail-under=90)  # the floor applies to the whole suite
