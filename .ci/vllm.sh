@@ -93,7 +93,8 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 export ASGI_CANCEL_REQUIRE_VLLM=1 # here a missing vLLM is a failure, not a skip
 
 step "build the tiny model"
-timeout 300 "$PY" -m example_app.tiny_model "$ROOT/.models/tiny-llama"
+export ASGI_CANCEL_TINY_MODEL="$ROOT/.models/tiny-llama" # where the tests look for it
+timeout 300 "$PY" -m example_app.tiny_model "$ASGI_CANCEL_TINY_MODEL"
 took "model"
 
 step "tests"
