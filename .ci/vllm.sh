@@ -100,7 +100,7 @@ took "model"
 step "tests"
 tests=(tests/vllm tests/test_vllm_adapter.py tests/test_vllm_with_cancellation.py)
 # The example app's real-vLLM test runs only here too (its own engine, after ours).
-[ -f tests/example_app/test_vllm_engine.py ] && tests+=(tests/example_app/test_vllm_engine.py)
+[ -f example_app/tests/test_vllm_engine.py ] && tests+=(example_app/tests/test_vllm_engine.py)
 report="$(mktemp "${TMPDIR:-/tmp}/asgi-cancel-vllm-report.XXXXXX.json")"
 rm -f "$report"
 set +e

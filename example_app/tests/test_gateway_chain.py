@@ -32,7 +32,7 @@ from example_app import metrics
 from example_app.gateway_cli import GatewayProcess
 from example_app.launch import ServerProcess, Subprocess, answers, free_port, http_get
 
-from .client import FIN, close, connect, read_head, read_response, recv_some
+from tests.servers.client import FIN, close, connect, read_head, read_response, recv_some
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(120)]
 

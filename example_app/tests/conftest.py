@@ -12,6 +12,11 @@ SERVERS = ("hypercorn", "uvicorn")
 MODEL = "sim-llm"
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
 @pytest.fixture(scope="module", params=SERVERS)
 def api_server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     """The example server with the middleware and fast engine steps, always terminated."""

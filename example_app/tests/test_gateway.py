@@ -1,6 +1,6 @@
 """`python -m example_app gateway` and the example server's cancel-by-id endpoint, as real
 processes on 127.0.0.1 (the cancel-across-hops measurements are in
-tests/servers/test_chain_engine.py)."""
+test_gateway_chain.py)."""
 
 from __future__ import annotations
 
