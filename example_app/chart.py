@@ -13,7 +13,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from .load import Load, Run
+from .load import Load, Run, planned_leavers
+from .report import summarize
 
 COLORS = ("#2a9d8f", "#e76f51")  # with, without
 
@@ -25,8 +26,6 @@ def write_chart(path: Path, load: Load, runs: list[Run]) -> None:
 
 
 def build_figure(load: Load, runs: list[Run]) -> Figure:
-    from .demo import planned_leavers, summarize
-
     summaries = [summarize(run) for run in runs]
     labels = [run.label for run in runs]
     figure, axes = plt.subplots(2, 2, figsize=(11, 7.5), layout="constrained")

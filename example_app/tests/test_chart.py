@@ -6,9 +6,9 @@ import importlib.util
 
 import pytest
 
-from example_app.demo import QUICK_LOAD, planned_leavers
+from example_app.demo import QUICK_LOAD
 from example_app.launch import ServerProcess
-from example_app.load import ClientResult, Run, Sample, plan, run_load
+from example_app.load import ClientResult, Run, Sample, plan, planned_leavers, run_load
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from example_app import demo
+from example_app.progress import Progress
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_progress_prints_the_engine_idle_time_not_server_start_and_stop(
     tty: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    progress = demo.Progress("without", leaving=8)
+    progress = Progress("without", leaving=8)
     progress.tty = tty
     progress(0, 16)
     time.sleep(0.3)  # server start, the load, server stop: none of it is the idle time
