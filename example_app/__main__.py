@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    from . import demo, gateway_cli, serve  # what they import is checked by main()
+    from . import demo, gateway_cli, serve  # here: main() turns a missing dependency into a line
 
     parser = argparse.ArgumentParser(
         prog="python -m example_app",

@@ -63,17 +63,14 @@ def cancel_options(args: argparse.Namespace, *, without: str | None) -> CancelOp
         without: the flag that left the middleware out (`--no-middleware`), or None.
     """
     if without is not None:
-        asked = [
-            flag
-            for flag, given in (
-                ("--cancel-endpoint", args.cancel_endpoint),
-                ("--timeout", args.timeout is not None),
-                ("--timeout-header", args.timeout_header is not None),
-            )
-            if given
-        ]
-        if asked:
-            raise SystemExit(f"error: {asked[0]} needs asgi-cancel (drop {without})")
+        asked = {
+            "--cancel-endpoint": args.cancel_endpoint,
+            "--timeout": args.timeout is not None,
+            "--timeout-header": args.timeout_header is not None,
+        }
+        for flag in asked:
+            if asked[flag]:
+                raise SystemExit(f"error: {flag} needs asgi-cancel (drop {without})")
         return None
     header = TIMEOUT_HEADER if args.timeout_header is None else args.timeout_header
     secret = os.environ.get(SECRET_ENV) or None
