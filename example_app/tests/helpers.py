@@ -20,7 +20,7 @@ WATCHDOG = 10.0
 
 def stats(server: Subprocess) -> dict[str, float]:
     """The engine's counters from `/metrics`, without their `example_engine_` prefix."""
-    status, body = request(server.port, "GET", "/metrics")[::2]
+    status, _, body = request(server.port, "GET", "/metrics")
     assert status == 200, body
     parsed = metrics.parse(body.decode())
     return {name.removeprefix("example_engine_"): value for name, value in parsed.items()}
