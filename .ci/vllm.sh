@@ -93,13 +93,14 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 export ASGI_CANCEL_REQUIRE_VLLM=1 # here a missing vLLM is a failure, not a skip
 
 step "build the tiny model"
-timeout 300 "$PY" -m example_app.tiny_model "$ROOT/.models/tiny-llama"
+export ASGI_CANCEL_TINY_MODEL="$ROOT/.models/tiny-llama" # where the tests look for it
+timeout 300 "$PY" -m example_app.tiny_model "$ASGI_CANCEL_TINY_MODEL"
 took "model"
 
 step "tests"
 tests=(tests/vllm tests/test_vllm_adapter.py tests/test_vllm_with_cancellation.py)
 # The example app's real-vLLM test runs only here too (its own engine, after ours).
-[ -f tests/example_app/test_vllm_engine.py ] && tests+=(tests/example_app/test_vllm_engine.py)
+[ -f example_app/tests/test_vllm_engine.py ] && tests+=(example_app/tests/test_vllm_engine.py)
 report="$(mktemp "${TMPDIR:-/tmp}/asgi-cancel-vllm-report.XXXXXX.json")"
 rm -f "$report"
 set +e

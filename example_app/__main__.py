@@ -5,15 +5,46 @@ from __future__ import annotations
 import argparse
 import sys
 
+# The top-level modules of the `example` extra's packages (and asgi-cancel itself): one of
+# them missing means the example's dependencies are not installed in this Python.
+EXAMPLE_DEPENDENCIES = frozenset(
+    {
+        "asgi_cancel",
+        "fastapi",
+        "httpx",
+        "hypercorn",
+        "matplotlib",
+        "openai",
+        "prometheus_client",
+        "pydantic",
+        "starlette",
+        "uvicorn",
+    }
+)
+INSTALL_HINT = "pip install -e '.[example]' in the repository, or run bash example_app/run.sh"
+
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] not in EXAMPLE_DEPENDENCIES:
+            raise
+        sys.stderr.write(
+            f"python -m example_app: {error.name} is not installed in {sys.executable}: "
+            f"{INSTALL_HINT}\n"
+        )
+        return 2
+
+
+def run(argv: list[str] | None) -> int:
+    from . import demo, gateway_cli, serve  # here: main() turns a missing dependency into a line
+
     parser = argparse.ArgumentParser(
         prog="python -m example_app",
         description="An OpenAI-compatible server behind CancelOnDisconnectMiddleware.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    from . import demo, gateway_cli, serve
-
     serve.add_arguments(
         commands.add_parser(
             "serve",

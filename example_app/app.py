@@ -16,18 +16,10 @@ from contextlib import aclosing, asynccontextmanager, contextmanager
 
 from fastapi import APIRouter, FastAPI
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from asgi_cancel import (
-    CancelOnDisconnectMiddleware,
-    CancelRegistry,
-    cancel_endpoint,
-    require_header,
-)
-from asgi_cancel.types import Scope as CancelScope
-
 from . import metrics
+from .cancelling import CancelOptions
 from .departures import DepartureRecorder, engine_request
 from .engine import Engine, EngineRequestError, RequestOutput
 from .json_body import JSONBodyRoute
@@ -52,8 +44,6 @@ from .openai_response import (
     sse,
 )
 
-CANCEL_PATH = "/v1/requests"  # POST /v1/requests/{id}/cancel, DELETE /v1/requests/{id}
-CANCEL_SECRET_HEADER = "x-cancel-secret"
 logger = logging.getLogger("example_app")
 
 
@@ -81,33 +71,19 @@ def create_app(
     engine: Engine,
     *,
     model_name: str,
-    cancel_on_disconnect: bool = True,
+    cancel: CancelOptions | None,
     shutdown: Shutdown | None = None,
-    cancel_by_id: bool = False,
-    cancel_secret: str | None = None,
 ) -> ASGIApp:
     """The ASGI app: OpenAI routes over `engine`, with or without the middleware.
 
     Args:
         engine: the engine to serve (started and stopped by the app's lifespan).
         model_name: the one model name clients must send (`/v1/models` lists it).
-        cancel_on_disconnect: wrap the app in `CancelOnDisconnectMiddleware`. When False
-            (the demo's baseline), a `DepartureRecorder` only notes when clients leave.
+        cancel: run under `CancelOnDisconnectMiddleware` with these options. None (the
+            demo's baseline): a `DepartureRecorder` only notes when clients leave.
         shutdown: the server calls its `begin()` when it starts stopping.
-        cancel_by_id: give the middleware a `CancelRegistry` (request ids from `X-Request-Id`)
-            and serve `cancel_endpoint` under `/v1/requests`: `DELETE /v1/requests/{id}` stops
-            that request, whose client gets a 499. Needs `cancel_on_disconnect`.
-        cancel_secret: if set, the cancel endpoint requires `X-Cancel-Secret: <secret>`.
-
-    Raises:
-        ValueError: `cancel_by_id` without `cancel_on_disconnect`.
     """
-    if cancel_by_id and not cancel_on_disconnect:
-        raise ValueError(
-            "cancel_by_id needs cancel_on_disconnect (the registry is the middleware's)"
-        )
-    server = _Server(engine, model_name, cancel_on_disconnect)
-    registry = CancelRegistry() if cancel_by_id else None
+    server = _Server(engine, model_name, middleware=cancel is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -136,31 +112,17 @@ def create_app(
     app.get("/v1/models/{model:path}", response_model=ModelCard)(server.model)
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics)
-    if registry is not None:
-        endpoint = cancel_endpoint(registry, authorize=cancel_authorizer(cancel_secret))
-        app.router.routes.append(Mount(CANCEL_PATH, endpoint))
-    if not cancel_on_disconnect:
+    if cancel is None:
         return DepartureRecorder(app)
-    return CancelOnDisconnectMiddleware(
-        app, on_cancelled=server.exposition.on_cancelled, registry=registry
-    )
-
-
-def cancel_authorizer(secret: str | None) -> Callable[[CancelScope], bool] | None:
-    """`X-Cancel-Secret: <secret>` required when a secret is set; None (anyone) otherwise.
-
-    Without a secret, serve only where nobody but the gateway and operators can connect
-    (the example binds 127.0.0.1).
-    """
-    return require_header(CANCEL_SECRET_HEADER, secret) if secret else None
+    return cancel.wrap(app, on_cancelled=server.exposition.on_cancelled)
 
 
 class _Server:
-    def __init__(self, engine: Engine, model_name: str, cancel_on_disconnect: bool) -> None:
+    def __init__(self, engine: Engine, model_name: str, *, middleware: bool) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.cancel_on_disconnect = cancel_on_disconnect
-        self.exposition = metrics.Metrics(engine, middleware=cancel_on_disconnect)
+        self.middleware = middleware
+        self.exposition = metrics.Metrics(engine, middleware=middleware)
         self.started = int(time.time())
         self.in_flight: set[str] = set()
         self.shutting_down = False
@@ -216,7 +178,7 @@ class _Server:
         )
 
     async def health(self) -> dict[str, object]:
-        return {"status": "ok", "engine": self.engine.name, "middleware": self.cancel_on_disconnect}
+        return {"status": "ok", "engine": self.engine.name, "middleware": self.middleware}
 
     async def metrics(self) -> Response:
         return Response(self.exposition.render(), media_type=metrics.CONTENT_TYPE)

@@ -13,7 +13,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from .load import Load, Run
+from .load import Load, Run, planned_leavers
+from .report import summarize
 
 COLORS = ("#2a9d8f", "#e76f51")  # with, without
 
@@ -25,8 +26,6 @@ def write_chart(path: Path, load: Load, runs: list[Run]) -> None:
 
 
 def build_figure(load: Load, runs: list[Run]) -> Figure:
-    from .demo import planned_leavers, summarize
-
     summaries = [summarize(run) for run in runs]
     labels = [run.label for run in runs]
     figure, axes = plt.subplots(2, 2, figsize=(11, 7.5), layout="constrained")
@@ -36,10 +35,8 @@ def build_figure(load: Load, runs: list[Run]) -> Figure:
     )
 
     wasted = axes[0][0]
-    bars = wasted.bar(labels, [s.wasted for s in summaries], color=COLORS)
-    wasted.bar_label(bars, fmt="{:,.0f}")
-    wasted.set_title("tokens generated for clients that had gone")
-    wasted.set_ylabel("tokens")
+    _bars(wasted, labels, [s.wasted for s in summaries], "{:,.0f}")
+    wasted.set(title="tokens generated for clients that had gone", ylabel="tokens")
 
     latency = axes[0][1]
     width = 0.38
@@ -55,10 +52,8 @@ def build_figure(load: Load, runs: list[Run]) -> Figure:
     latency.legend(loc="upper left")
 
     throughput = axes[1][0]
-    bars = throughput.bar(labels, [s.throughput for s in summaries], color=COLORS)
-    throughput.bar_label(bars, fmt="{:,.0f}")
-    throughput.set_title("throughput of the clients that stayed")
-    throughput.set_ylabel("tokens / second")
+    _bars(throughput, labels, [s.throughput for s in summaries], "{:,.0f}")
+    throughput.set(title="throughput of the clients that stayed", ylabel="tokens / second")
 
     timeline = axes[1][1]
     for run, color in zip(runs, COLORS, strict=True):
@@ -75,6 +70,10 @@ def build_figure(load: Load, runs: list[Run]) -> Figure:
     _headroom(latency, room=1.4)  # and the legend, above the bars
     _headroom(throughput)
     return figure
+
+
+def _bars(axes: Axes, labels: list[str], values: list[float], fmt: str) -> None:
+    axes.bar_label(axes.bar(labels, values, color=COLORS), fmt=fmt)
 
 
 def _headroom(axes: Axes, room: float = 1.18) -> None:

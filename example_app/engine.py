@@ -8,7 +8,7 @@ demo's) and real vLLM (`vllm_engine.py`) serve the same routes, and
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 
@@ -58,6 +58,21 @@ class EngineStats:
     clients_gone: int
     tokens_generated: int
     tokens_wasted: int
+
+
+@dataclass
+class Counters:
+    """What an engine counts for `EngineStats`; `stats()` adds what it sees now."""
+
+    requests: int = 0
+    finished: int = 0
+    aborted: int = 0
+    clients_gone: int = 0
+    tokens_generated: int = 0
+    tokens_wasted: int = 0
+
+    def stats(self, *, running: int, waiting: int, max_batch_size: int) -> EngineStats:
+        return EngineStats(running, waiting, max_batch_size, **asdict(self))
 
 
 class EngineRequestError(Exception):

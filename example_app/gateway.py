@@ -26,28 +26,29 @@ from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, cancel_endpoint
 from asgi_cancel.httpx import CancelTransport
 
 from . import metrics
-from .app import cancel_authorizer
+from .cancelling import CancelOptions
 from .load import BACKEND_HEADER
 from .openai_errors import EXCEPTION_HANDLERS, OpenAIError
 
 logger = logging.getLogger("example_app.gateway")
 
-CANCEL_PATH = "/v1/requests"
 # A generation can run for minutes; the gateway's clients set their own timeouts.
 UPSTREAM_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 # Request headers not forwarded: hop-by-hop ones, and those httpx sets for the new request.
 _DROPPED_REQUEST = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade", "te"}
 )
-# Response headers not forwarded: the gateway's server frames the body itself.
-_DROPPED_RESPONSE = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding"})
+# Response headers not forwarded: the gateway's server frames the body itself, and adds its
+# own `date` and `server`.
+_DROPPED_RESPONSE = frozenset(
+    {"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"}
+)
 
 
 @dataclass
@@ -68,61 +69,59 @@ class _Balancer:
         return min(rotated, key=lambda backend: backend.in_flight)
 
 
-def create_gateway(
-    backend_urls: list[str],
-    *,
-    bind: bool = True,
-    cancel_endpoint_enabled: bool = False,
-    cancel_secret: str | None = None,
-) -> ASGIApp:
+def create_gateway(backend_urls: list[str], *, binding: CancelOptions | None) -> ASGIApp:
     """The gateway app over `backend_urls` (e.g. `["http://127.0.0.1:8001"]`).
 
     Args:
         backend_urls: the example servers to balance over.
-        bind: run under `CancelOnDisconnectMiddleware` (with a `CancelRegistry`, so every
-            request has an id) and send upstream through `CancelTransport`. False: a plain
-            httpx proxy with no asgi-cancel at all, the comparison's baseline.
-        cancel_endpoint_enabled: serve `cancel_endpoint` under `/v1/requests` (needs `bind`).
-        cancel_secret: if set, the cancel endpoint requires `X-Cancel-Secret: <secret>`.
+        binding: run under `CancelOnDisconnectMiddleware` with these options (every request
+            gets an id) and send upstream through `CancelTransport`, which forwards the id and
+            the request's remaining budget (in `timeout_header`, in place of the client's).
+            None: a plain httpx proxy with no asgi-cancel at all, the comparison's baseline.
 
     Raises:
-        ValueError: no backends, or a cancel endpoint without the binding.
+        ValueError: no backends.
     """
     if not backend_urls:
         raise ValueError("backend_urls: the gateway needs at least one backend")
-    if cancel_endpoint_enabled and not bind:
-        raise ValueError("cancel_endpoint_enabled needs bind=True (the registry is the binding's)")
-    transport = CancelTransport() if bind else httpx.AsyncHTTPTransport()
+    dropped = _DROPPED_REQUEST
+    transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport()
+    if binding is not None:
+        transport = CancelTransport(timeout_header=binding.timeout_header)
+        if binding.timeout_header:
+            dropped |= {binding.timeout_header.lower()}
     client = httpx.AsyncClient(transport=transport, timeout=UPSTREAM_TIMEOUT)
-    proxy = _Proxy(client, _Balancer([Backend(url.rstrip("/")) for url in backend_urls]), bind)
+    balancer = _Balancer([Backend(url.rstrip("/")) for url in backend_urls])
+    proxy = _Proxy(client, balancer, binding is not None, dropped)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with client:
             yield
 
-    routes: list[Route | Mount] = [
+    routes = [
         Route("/v1/completions", proxy.forward, methods=["POST"]),
         Route("/v1/chat/completions", proxy.forward, methods=["POST"]),
         Route("/v1/models", proxy.forward, methods=["GET"]),
         Route("/health", proxy.health, methods=["GET"]),
         Route("/metrics", proxy.metrics, methods=["GET"]),
     ]
-    registry = CancelRegistry() if bind else None
-    if registry is not None and cancel_endpoint_enabled:
-        authorize = cancel_authorizer(cancel_secret)
-        routes.append(Mount(CANCEL_PATH, cancel_endpoint(registry, authorize=authorize)))
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
-    if registry is None:
-        return app
-    return CancelOnDisconnectMiddleware(app, registry=registry)
+    return app if binding is None else binding.wrap(app, ids=True)
 
 
 class _Proxy:
-    def __init__(self, client: httpx.AsyncClient, balancer: _Balancer, bind: bool) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        balancer: _Balancer,
+        bind: bool,
+        dropped_request_headers: frozenset[str],
+    ) -> None:
         self.client = client
         self.balancer = balancer
         self.bind = bind
+        self.dropped_request_headers = dropped_request_headers
 
     async def health(self, request: Request) -> Response:
         urls = [backend.url for backend in self.balancer.backends]
@@ -131,7 +130,9 @@ class _Proxy:
     async def forward(self, request: Request) -> Response:
         backend = self.balancer.pick()
         headers = [
-            (name, value) for name, value in request.headers.items() if name not in _DROPPED_REQUEST
+            (name, value)
+            for name, value in request.headers.items()
+            if name not in self.dropped_request_headers
         ]
         outgoing = self.client.build_request(
             request.method,

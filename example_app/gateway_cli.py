@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import signal
 import sys
@@ -17,14 +18,20 @@ from contextlib import ExitStack
 
 from .app import Shutdown
 from .launch import HOST, ServerProcess, Subprocess, answers, example_app_env
-from .serve import SERVERS, add_cancel_arguments, check_port, run_hypercorn, run_uvicorn
+from .options import (
+    add_middleware_arguments,
+    cancel_options,
+    check_port,
+    port_number,
+)
+from .serve import SERVERS, run_hypercorn, run_uvicorn
 
 DEFAULT_BACKENDS = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=HOST, help=f"default: {HOST}")
-    parser.add_argument("--port", type=int, default=8000, help="default: 8000")
+    parser.add_argument("--port", type=port_number, default=8000, help="default: 8000")
     parser.add_argument("--server", choices=SERVERS, default="uvicorn", help="default: uvicorn")
     parser.add_argument(
         "--no-binding",
@@ -48,16 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--step-time", type=float, default=0.01, help="default: 0.01")
     engine.add_argument("--max-batch-size", type=int, default=8, help="default: 8")
     engine.add_argument("--backend-server", choices=SERVERS, default="hypercorn")
-    add_cancel_arguments(parser)
+    add_middleware_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.cancel_endpoint and not args.bind:
-        raise SystemExit("error: --cancel-endpoint needs the binding (drop --no-binding)")
     if not args.backend and args.backends < 1:
         raise SystemExit("error: --backends must be >= 1")
+    binding = cancel_options(args, without=None if args.bind else "--no-binding")
     check_port(args.host, args.port)
+    for server in {args.server, args.backend_server}:  # missing: fail before any start
+        importlib.import_module(server)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -70,14 +78,10 @@ def main(args: argparse.Namespace) -> int:
         urls = list(args.backend or [])
         if not urls:
             for _ in range(args.backends):
-                process = backends.enter_context(ServerProcess(*_backend_args(args)))
+                backend = ServerProcess(*_backend_args(args), server=args.backend_server)
+                process = backends.enter_context(backend)
                 urls.append(process.base_url)
-        app = create_gateway(
-            urls,
-            bind=args.bind,
-            cancel_endpoint_enabled=args.cancel_endpoint,
-            cancel_secret=args.cancel_secret,
-        )
+        app = create_gateway(urls, binding=binding)
         logging.getLogger("example_app").info(
             "gateway on http://%s:%d (%s) over %s, asgi-cancel binding %s",
             args.host,
@@ -101,12 +105,13 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def _backend_args(args: argparse.Namespace) -> list[str]:
+    """`serve` arguments for a started backend (which inherits the cancel secret's variable)."""
     serve_args = ["--step-time", str(args.step_time), "--max-batch-size", str(args.max_batch_size)]
-    serve_args += ["--server", args.backend_server, "--log-level", "warning"]
+    serve_args.extend(["--log-level", "warning"])
     if args.cancel_endpoint:
         serve_args.append("--cancel-endpoint")
-        if args.cancel_secret:
-            serve_args += ["--cancel-secret", args.cancel_secret]
+    if args.timeout_header is not None:  # the header the gateway forwards its budget in
+        serve_args += ["--timeout-header", args.timeout_header]
     return serve_args
 
 

@@ -11,18 +11,16 @@ same for all backends.
 
 from __future__ import annotations
 
-import asyncio
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .load import Load, Run, run_load
+from .gateway_cli import GatewayProcess
+from .launch import ServerProcess
+from .load import Load, Run
+from .progress import run_pass
+from .report import EngineConfig
 from .serve import SIM_MODEL_NAME
-
-if TYPE_CHECKING:
-    from .demo import Progress
 
 _COUNTERS = ("tokens_generated", "tokens_wasted", "requests_aborted", "requests")
 
@@ -33,20 +31,10 @@ class GatewayRun:
     backends: list[dict[str, float]]  # per backend: counter deltas over the pass
 
 
-def run_gateway_demo(
-    load: Load,
-    step_time: float,
-    max_batch_size: int,
-    backends: int,
-    server: str,
-    progress: Callable[[str], Progress],
-) -> str:
-    """Both passes; returns the table. `progress(label)` makes the demo's progress line."""
-    from .gateway_cli import GatewayProcess
-    from .launch import ServerProcess
-
-    serve_args = ["--step-time", str(step_time), "--max-batch-size", str(max_batch_size)]
-    serve_args += ["--log-level", "warning"]
+def run_gateway_demo(load: Load, engine: EngineConfig, backends: int, server: str) -> str:
+    """Both passes; returns the table."""
+    serve_args = ["--step-time", str(engine.step_time)]
+    serve_args += ["--max-batch-size", str(engine.max_batch_size), "--log-level", "warning"]
     passes: list[GatewayRun] = []
     with ExitStack() as stack:
         processes = [
@@ -57,19 +45,12 @@ def run_gateway_demo(
             label = "gateway bound" if bind else "gateway plain"
             before = [process.metrics() for process in processes]
             with GatewayProcess(urls, *(() if bind else ("--no-binding",))) as gateway:
-                bar = progress(label)
-                bar(0, load.clients)
-                try:
-                    run = asyncio.run(run_load(gateway.base_url, SIM_MODEL_NAME, load, label, bar))
-                except BaseException:
-                    sys.stderr.write(f"\ngateway output:\n{gateway.log_tail()}\n")
-                    raise
-                bar.finish(run.idle_after)
+                run = run_pass(gateway, SIM_MODEL_NAME, load, label)
             after = [process.metrics() for process in processes]
             passes.append(
                 GatewayRun(run, [_deltas(a, b) for a, b in zip(after, before, strict=True)])
             )
-    return format_gateway_table(load, step_time, max_batch_size, urls, passes)
+    return format_gateway_table(load, engine, urls, passes)
 
 
 def _deltas(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -92,11 +73,7 @@ def delivered_by(run: Run, url: str) -> float:
 
 
 def format_gateway_table(
-    load: Load,
-    step_time: float,
-    max_batch_size: int,
-    urls: Sequence[str],
-    passes: list[GatewayRun],
+    load: Load, engine: EngineConfig, urls: Sequence[str], passes: list[GatewayRun]
 ) -> str:
     rows: list[tuple[str, list[str]]] = []
     for index, url in enumerate(urls):
@@ -128,7 +105,7 @@ def format_gateway_table(
     header = [
         f"asgi-cancel demo through a gateway: {load.clients} openai clients -> gateway "
         f"(uvicorn) -> {len(urls)} engine servers (each with asgi-cancel)",
-        f"simulated engines: batch {max_batch_size}, {step_time * 1000:g} ms/step, "
+        f"simulated engines: batch {engine.max_batch_size}, {engine.step_time * 1000:g} ms/step, "
         f"{load.max_tokens} tokens per request; all on 127.0.0.1",
         "'wasted' is what a backend can see: tokens after its own client, the gateway, left;",
         "'nobody read' also counts the tokens generated for a client the gateway never told about",

@@ -100,6 +100,11 @@ def plan(load: Load) -> list[ClientPlan]:
     return plans
 
 
+def planned_leavers(load: Load) -> int:
+    """Clients that try to leave early (a few finish before their timeout)."""
+    return sum(client.leave is not None for client in plan(load))
+
+
 async def run_load(
     base_url: str,
     model: str,

@@ -8,7 +8,6 @@ import errno
 import importlib.util
 import logging
 import signal
-import socket
 import sys
 from types import FrameType
 from typing import Any, cast
@@ -17,6 +16,13 @@ from starlette.types import ASGIApp
 
 from .app import Shutdown, create_app
 from .engine import Engine
+from .options import (
+    add_middleware_arguments,
+    cancel_options,
+    check_port,
+    port_in_use_message,
+    port_number,
+)
 from .sim_engine import SimulatedEngine
 
 SERVERS = ("hypercorn", "uvicorn")
@@ -26,7 +32,7 @@ SIM_MODEL_NAME = "sim-llm"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="default: 8000")
+    parser.add_argument("--port", type=port_number, default=8000, help="default: 8000")
     parser.add_argument("--server", choices=SERVERS, default="hypercorn")
     parser.add_argument(
         "--no-middleware",
@@ -55,20 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--max-batch-size", type=int, default=8, help="requests generating at once (default: 8)"
     )
-    add_cancel_arguments(parser)
+    add_middleware_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
-
-
-def add_cancel_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--cancel-endpoint",
-        action="store_true",
-        help="serve cancel-by-id: DELETE /v1/requests/{X-Request-Id} (off by default)",
-    )
-    parser.add_argument(
-        "--cancel-secret",
-        help="require the header X-Cancel-Secret: SECRET on the cancel endpoint",
-    )
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
@@ -93,30 +87,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     return simulated, args.model_name or SIM_MODEL_NAME
 
 
-def port_in_use_message(host: str, port: int) -> str:
-    return f"error: cannot listen on {host}:{port}: port {port} is already in use"
-
-
-def check_port(host: str, port: int) -> None:
-    """Exit with one line if the port cannot be bound (before the engine starts, not after)."""
-    try:
-        for family, kind, proto, _, address in socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        ):
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
-                sock.bind(address)
-    except OSError as error:
-        if error.errno == errno.EADDRINUSE:
-            raise SystemExit(port_in_use_message(host, port)) from None
-        raise SystemExit(
-            f"error: cannot listen on {host}:{port}: {error.strerror or error}"
-        ) from None
-
-
 def main(args: argparse.Namespace) -> int:
-    if args.cancel_endpoint and not args.middleware:
-        raise SystemExit("error: --cancel-endpoint needs the middleware (drop --no-middleware)")
+    cancel = cancel_options(args, without=None if args.middleware else "--no-middleware")
     check_port(args.host, args.port)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -126,14 +98,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     shutdown = Shutdown()
-    app = create_app(
-        engine,
-        model_name=model_name,
-        cancel_on_disconnect=args.middleware,
-        shutdown=shutdown,
-        cancel_by_id=args.cancel_endpoint,
-        cancel_secret=args.cancel_secret,
-    )
+    app = create_app(engine, model_name=model_name, cancel=cancel, shutdown=shutdown)
     logging.getLogger("example_app").info(
         "serving %r (%s engine) on http://%s:%d with %s, CancelOnDisconnectMiddleware %s",
         model_name,

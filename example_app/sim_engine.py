@@ -24,7 +24,7 @@ import zlib
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 
-from .engine import CompletionOutput, EngineStats, RequestOutput, Sampling
+from .engine import CompletionOutput, Counters, EngineStats, RequestOutput, Sampling
 
 WORDS = (
     " the", " a", " cancel", " token", " engine", " request", " client", " server", " stream",
@@ -135,8 +135,7 @@ class SimulatedEngine:
         self._keep_timelines = keep_timelines
         self.timelines: dict[str, Timeline] = {}
         self.steps = 0
-        self._requests = self._finished = self._aborted = self._clients_gone = 0
-        self._tokens_generated = self._tokens_wasted = 0
+        self.counters = Counters()
 
     @property
     def max_model_len(self) -> int:
@@ -164,7 +163,7 @@ class SimulatedEngine:
         if self._keep_timelines:
             self.timelines[request_id] = request.timeline
         self._waiting[request_id] = request
-        self._requests += 1
+        self.counters.requests += 1
         self._work.set()
         try:
             while True:
@@ -188,7 +187,7 @@ class SimulatedEngine:
         for request_id in request_ids:
             request = self._waiting.pop(request_id, None) or self._running.pop(request_id, None)
             if request is not None:
-                self._aborted += 1
+                self.counters.aborted += 1
                 request.timeline.aborted = time.monotonic()
                 request.publish("abort")
 
@@ -196,26 +195,20 @@ class SimulatedEngine:
         request = self._waiting.get(request_id) or self._running.get(request_id)
         if request is not None and not request.client_gone:
             request.client_gone = True
-            self._clients_gone += 1
+            self.counters.clients_gone += 1
 
     def stats(self) -> EngineStats:
-        return EngineStats(
+        return self.counters.stats(
             running=len(self._running),
             waiting=len(self._waiting),
             max_batch_size=self.max_batch_size,
-            requests=self._requests,
-            finished=self._finished,
-            aborted=self._aborted,
-            clients_gone=self._clients_gone,
-            tokens_generated=self._tokens_generated,
-            tokens_wasted=self._tokens_wasted,
         )
 
     def reset(self) -> None:
         """Abort every request and start the counters, `steps` and `timelines` from zero."""
         self._abort_now([*self._waiting, *self._running])
-        self._requests = self._finished = self._aborted = self._clients_gone = 0
-        self._tokens_generated = self._tokens_wasted = self.steps = 0
+        self.counters = Counters()
+        self.steps = 0
         self.timelines.clear()
 
     async def start(self) -> None:
@@ -254,9 +247,9 @@ class SimulatedEngine:
         request.token_ids.append(index)
         request.timeline.token_times.append(now)
         request.text += WORDS[index]
-        self._tokens_generated += 1
+        self.counters.tokens_generated += 1
         if request.client_gone:
-            self._tokens_wasted += 1
+            self.counters.tokens_wasted += 1
         finish_reason = None
         for stop in request.params.stop:
             position = request.text.find(stop)
@@ -268,6 +261,6 @@ class SimulatedEngine:
             finish_reason = "length"
         if finish_reason is not None:
             del self._running[request.request_id]
-            self._finished += 1
+            self.counters.finished += 1
             request.timeline.finished = now
         request.publish(finish_reason)

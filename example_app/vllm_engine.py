@@ -16,7 +16,14 @@ from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from typing import Any
 
-from .engine import CompletionOutput, EngineRequestError, EngineStats, RequestOutput, Sampling
+from .engine import (
+    CompletionOutput,
+    Counters,
+    EngineRequestError,
+    EngineStats,
+    RequestOutput,
+    Sampling,
+)
 
 
 class _Tracked:
@@ -47,8 +54,7 @@ class VllmEngine:
         self._vllm: Any = None
         self._client_errors: tuple[type[Exception], ...] = (ValueError,)
         self._live: dict[str, _Tracked] = {}
-        self._requests = self._finished = self._aborted = self._clients_gone = 0
-        self._tokens_generated = self._tokens_wasted = 0
+        self.counters = Counters()
 
     @property
     def max_model_len(self) -> int:
@@ -91,7 +97,7 @@ class VllmEngine:
         self, prompt: str, params: object, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
         tracked = self._live[request_id] = _Tracked()
-        self._requests += 1
+        self.counters.requests += 1
         finished = False
         try:
             async with aclosing(self._llm.generate(prompt, params, request_id)) as outputs:
@@ -100,9 +106,9 @@ class VllmEngine:
                     completion = converted.outputs[0]
                     new = len(completion.token_ids) - tracked.tokens
                     tracked.tokens += new
-                    self._tokens_generated += new
+                    self.counters.tokens_generated += new
                     if tracked.client_gone:
-                        self._tokens_wasted += new
+                        self.counters.tokens_wasted += new
                     finished = converted.finished and completion.finish_reason != "abort"
                     yield converted
         except self._client_errors as error:
@@ -110,9 +116,9 @@ class VllmEngine:
         finally:
             del self._live[request_id]
             if finished:
-                self._finished += 1
+                self.counters.finished += 1
             else:
-                self._aborted += 1
+                self.counters.aborted += 1
 
     @staticmethod
     def _convert(output: Any) -> RequestOutput:
@@ -138,7 +144,7 @@ class VllmEngine:
         tracked = self._live.get(request_id)
         if tracked is not None and not tracked.client_gone:
             tracked.client_gone = True
-            self._clients_gone += 1
+            self.counters.clients_gone += 1
 
     def _max_batch_size(self) -> int:
         if self._llm is None:
@@ -147,14 +153,8 @@ class VllmEngine:
 
     def stats(self) -> EngineStats:
         running = sum(1 for tracked in self._live.values() if tracked.tokens)
-        return EngineStats(
+        return self.counters.stats(
             running=running,
             waiting=len(self._live) - running,
             max_batch_size=self._max_batch_size(),
-            requests=self._requests,
-            finished=self._finished,
-            aborted=self._aborted,
-            clients_gone=self._clients_gone,
-            tokens_generated=self._tokens_generated,
-            tokens_wasted=self._tokens_wasted,
         )

@@ -10,11 +10,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from example_app.launch import StartupError as StartupError
-from example_app.launch import Subprocess
-
 from .client import HOST, get
 from .events import EVENTS_ENV, EventLog
+from .process import ServerProcess
+from .process import StartupError as StartupError
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 20.0
@@ -116,7 +115,7 @@ HTTP1_SERVERS = (
 @dataclass
 class Server:
     spec: ServerSpec
-    harness: Subprocess
+    harness: ServerProcess
     events: EventLog
 
     @property
@@ -152,18 +151,14 @@ def start_server(spec: ServerSpec, target: str, workdir: Path) -> Server:
     """Start `target` under `spec` in `workdir` (its log and event files are there)."""
     events_path = workdir / "events.jsonl"
     python_path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    harness = Subprocess(
+    harness = ServerProcess(
         lambda port: spec.argv(target, port),
         ready=_says_hello,
         cwd=workdir,  # not the tests folder: nothing there may shadow a server import
         env={EVENTS_ENV: str(events_path), "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"},
         log=workdir / "server.log",
         ready_timeout=START_TIMEOUT,
-        poll=0.1,
         attempts=START_ATTEMPTS,
-        # Another process on this shared machine may take the free port before the server
-        # binds it, and not every server exits then: try again on a fresh one in either case.
-        retry_not_ready=True,
         stop_timeout=STOP_TIMEOUT,
     )
     harness.start()

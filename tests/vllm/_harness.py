@@ -1,7 +1,8 @@
 """What the real-vLLM tests share: the environment, the tiny model, a raw HTTP client.
 
 Nothing here imports vLLM; `import_vllm` does, for the modules that need it, and skips them
-(with the reason) where vLLM is not installed.
+(with the reason) where vLLM is not installed. The tiny random-weight model is built before the
+tests run, into `$ASGI_CANCEL_TINY_MODEL` (default `.models/tiny-llama`): .ci/vllm.sh does it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from example_app.tiny_model import build_tiny_model
+from ..servers.process import free_port as free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("ASGI_CANCEL_TINY_MODEL", REPO / ".models" / "tiny-llama"))
@@ -43,13 +44,17 @@ LEAVES_ENGINE_WITHIN = 2.0  # s from the disconnect to no unfinished request in 
 MAX_TOKENS_AFTER_DISCONNECT = 6  # per sequence that was running (about 1 engine step: 1-2)
 
 
+def _required() -> bool:
+    return os.environ.get("ASGI_CANCEL_REQUIRE_VLLM") == "1"
+
+
 def import_vllm(module: str = "vllm") -> Any:
     """Import `module` of vLLM, or skip the calling test module if vLLM is not installed.
 
     With `ASGI_CANCEL_REQUIRE_VLLM=1` (set by .ci/vllm.sh) a missing vLLM is an error instead.
     """
     reason = "real vLLM is not installed here (.ci/vllm.sh installs it into .venv-vllm)"
-    required = os.environ.get("ASGI_CANCEL_REQUIRE_VLLM") == "1"
+    required = _required()
     with warnings.catch_warnings():
         # vLLM, torch and transformers warn on import (deprecations); not ours to fix.
         warnings.simplefilter("ignore")
@@ -62,14 +67,16 @@ def import_vllm(module: str = "vllm") -> Any:
 
 
 def tiny_model() -> Path:
-    return build_tiny_model(MODEL_DIR)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """The model directory; skip the test if nothing is there (fail under .ci/vllm.sh)."""
+    if (MODEL_DIR / "config.json").is_file():  # the builder writes it last
+        return MODEL_DIR
+    reason = (
+        f"no tiny model in {MODEL_DIR} (ASGI_CANCEL_TINY_MODEL): .ci/vllm.sh builds it with "
+        f"`python -m example_app.tiny_model {MODEL_DIR}`"
+    )
+    if _required():
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:

@@ -1,4 +1,4 @@
-"""Real example servers (`python -m example_app serve`) as subprocesses on 127.0.0.1."""
+"""The example server (`python -m example_app serve`) as a subprocess on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import pytest
 
 from example_app.launch import ServerProcess
 
-SERVERS = ("hypercorn", "uvicorn")
-MODEL = "sim-llm"
+from .helpers import SERVERS
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 @pytest.fixture(scope="module", params=SERVERS)
