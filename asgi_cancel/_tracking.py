@@ -148,17 +148,12 @@ class Tracking:
         headers = dict(scope.get("headers", ()))
         if self.id_header is not None:
             raw_id: bytes | None = headers.get(self.id_header)
-            if raw_id is None:
+            request_id = "" if raw_id is None else raw_id.decode("latin-1").strip(" \t")
+            if not request_id:  # none sent (or an empty header): ours
                 request_id = new_request_id()
-            else:
-                request_id = raw_id.decode("latin-1").strip(" \t")
-                if not valid_request_id(request_id):
-                    return self._refuse(
-                        cycle,
-                        self.id_header,
-                        request_id,
-                        f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}",
-                    )
+            elif not valid_request_id(request_id):
+                expected = f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}"
+                return self._refuse(cycle, self.id_header, request_id, expected)
             token.request_id = request_id
             state = scope.get("state")
             if isinstance(state, dict):  # Starlette's request.state.request_id

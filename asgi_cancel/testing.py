@@ -20,6 +20,7 @@ Needs anyio (installed with Starlette, httpx and FastAPI); works on asyncio and 
 from __future__ import annotations
 
 import math
+from urllib.parse import quote
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -39,8 +40,9 @@ def http_scope(
     spec_version: str = "2.3",
     http_version: str = "1.1",
 ) -> Scope:
-    """Build a minimal, valid HTTP connection scope."""
-    raw_path = path.encode("latin-1")
+    """Build a minimal, valid HTTP connection scope (`path` decoded, as servers give it;
+    `raw_path` its percent-encoded bytes)."""
+    raw_path = quote(path, safe="/:@!$&'()*+,;=~").encode("ascii")
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": spec_version},
