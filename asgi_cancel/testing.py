@@ -20,9 +20,9 @@ Needs anyio (installed with Starlette, httpx and FastAPI); works on asyncio and 
 from __future__ import annotations
 
 import math
-from urllib.parse import quote
 from collections.abc import Iterable, Sequence
 from typing import Literal
+from urllib.parse import quote
 
 import anyio
 
