@@ -327,7 +327,7 @@ class Cycle:
             ):
                 await runner.park()
                 continue
-            if self.body_complete and paused_reading(receive):
+            if paused_reading(receive):
                 # uvicorn paused reading for a pipelined request: a receive() would resume it.
                 # Its own calls are the app's, as without the middleware.
                 logger.debug("asgi_cancel: the server paused reading; not watching")
