@@ -336,9 +336,10 @@ class AsyncioRunner:
 
     def cancel_app_soon(self) -> None:
         # From inside the app (a shield() exit): if the app then returns without awaiting, a
-        # cancel issued now would land in the server's code instead. One hop lets FINISHED win.
+        # cancel issued now would land in the server's code instead. One hop lets FINISHED win,
+        # and through the token, so that a shield() the app enters meanwhile is honoured.
         if self.cycle.state is not _FINISHED:
-            self.task.get_loop().call_soon(self.cancel_app)
+            self.task.get_loop().call_soon(self._look_again)
 
     def start_grace(self) -> None:
         self.grace_timer = self.task.get_loop().call_later(
