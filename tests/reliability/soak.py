@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.servers.client import HOST, connect, get, read_to_eof
+from tests.servers.h2_client import H2Client
 from tests.servers.runner import (
     HYPERCORN_ASYNCIO,
     UVICORN_HTTPTOOLS,
@@ -29,7 +30,6 @@ from tests.servers.runner import (
     ServerSpec,
     running_server,
 )
-from tests.servers.test_h2 import H2Client
 
 TARGET = "reliability.soak_app:app"
 # Our tasks (the middleware's, the app's) must be gone by then.
