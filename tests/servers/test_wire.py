@@ -40,7 +40,7 @@ def server(
 ) -> Iterator[Server]:
     spec: ServerSpec = request.param
     workdir: Path = tmp_path_factory.mktemp(spec.name)
-    with running_server(spec, "servers.wire_app:app", workdir) as running:
+    with running_server(spec, "tests.servers.wire_app:app", workdir) as running:
         yield running
 
 
