@@ -339,7 +339,8 @@ class AsyncioRunner:
         # cancel issued now would land in the server's code instead. One hop lets FINISHED win,
         # and through the token, so that a shield() the app enters meanwhile is honoured.
         if self.cycle.state is not _FINISHED:
-            self.task.get_loop().call_soon(self._look_again)
+            # (thread-safe: the block may be sync code in a worker thread)
+            self.task.get_loop().call_soon_threadsafe(self._look_again)
 
     def start_grace(self) -> None:
         self.grace_timer = self.task.get_loop().call_later(

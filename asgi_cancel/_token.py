@@ -12,6 +12,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ContextDecorator, contextmanager
 from time import monotonic
@@ -41,7 +42,8 @@ class Canceller(Protocol):
         """Cancel the request's app task now."""
 
     def cancel_app_soon(self) -> None:
-        """Cancel it from inside the app (a `shield()` block's exit), without racing its end."""
+        """Cancel it from inside the app (a `shield()` block's exit, possibly in a worker
+        thread), without racing its end."""
 
     def spawn(self, awaitable: Awaitable[object], /) -> None:
         """Run an awaitable returned by an `on_cancel` callback, before the request ends."""
@@ -346,9 +348,7 @@ def shield() -> Iterator[CancelToken | None]:
         return
     token._shield_depth += 1
     try:
-        if asyncio.events._get_running_loop() is not None:
-            yield token
-        else:
+        if _in_trio_task():
             # Trio: a cancel scope, once cancelled, cancels every later checkpoint in it (a
             # cancellation issued while the app waited for a worker thread would land inside
             # this block): a shielded scope defers it to the block's end, trio's own way.
@@ -356,12 +356,27 @@ def shield() -> Iterator[CancelToken | None]:
 
             with trio.CancelScope(shield=True):
                 yield token
+        else:  # an asyncio task, or sync code in a worker thread
+            yield token
     finally:
         token._shield_depth -= 1
         if not token._shield_depth and token._deferred:
             token._deferred = False
             if token._canceller is not None and not token._detached:
                 token._canceller.cancel_app_soon()
+
+
+def _in_trio_task() -> bool:
+    if asyncio.events._get_running_loop() is not None:
+        return False
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:  # a worker thread
+        return False
+    return True
 
 
 class detach(ContextDecorator):  # lower case: used like shield(), a function-like helper

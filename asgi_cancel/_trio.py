@@ -90,6 +90,7 @@ class TrioRunner:
         "nursery",
         "parked",
         "tracking",
+        "trio_token",
         "watch_scope",
     )
 
@@ -102,6 +103,7 @@ class TrioRunner:
         self.nursery: trio.Nursery | None = None
         self.deadline_scope: trio.CancelScope | None = None
         self.tracking: Tracking | None = None
+        self.trio_token = trio.lowlevel.current_trio_token()
 
     def track(self, tracking: Tracking) -> None:
         """Make the request findable by id, and start its deadline's task if it has one."""
@@ -153,7 +155,8 @@ class TrioRunner:
             self.app_scope.cancel()
 
     def cancel_app_soon(self) -> None:
-        self.cancel_app()
+        # (from any thread: the shield() block may be sync code in a worker thread)
+        self.trio_token.run_sync_soon(self.cancel_app)
 
     def start_grace(self) -> None:
         self.grace_scope.deadline = trio.current_time() + self.cycle.options.grace

@@ -8,7 +8,11 @@ after the first block's exit, bypassing the token, and landed inside the second 
 
 from __future__ import annotations
 
+import time
+
 import anyio
+import anyio.from_thread
+import anyio.to_thread
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, shield
@@ -39,3 +43,28 @@ async def test_a_shield_right_after_a_shield_is_not_interrupted() -> None:
     with anyio.fail_after(5):
         await conn.run(CancelOnDisconnectMiddleware(app, watch_delay=0))
     assert events == ["first commit done", "second commit done", "cancelled"]
+
+
+async def test_a_shield_in_a_worker_thread_defers_the_cancellation_past_its_end() -> None:
+    """Sync code in a worker thread (a FastAPI `def` endpoint) commits inside `shield()`: the
+    block runs to its end, and the request is cancelled at the app's next await."""
+    events: list[str] = []
+    conn = ClientConnection()
+
+    def commit() -> None:
+        with shield():
+            anyio.from_thread.run_sync(conn.disconnect)  # the client leaves mid-commit
+            time.sleep(0.05)
+            events.append("committed")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await anyio.to_thread.run_sync(commit)
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+
+    with anyio.fail_after(5):
+        await conn.run(CancelOnDisconnectMiddleware(app, watch_delay=0))
+    assert events == ["committed", "cancelled"]
