@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
+import threading
 from collections.abc import Awaitable
 from time import monotonic
 
@@ -89,6 +90,7 @@ class TrioRunner:
         "grace_scope",
         "nursery",
         "parked",
+        "thread",
         "tracking",
         "trio_token",
         "watch_scope",
@@ -104,6 +106,7 @@ class TrioRunner:
         self.deadline_scope: trio.CancelScope | None = None
         self.tracking: Tracking | None = None
         self.trio_token = trio.lowlevel.current_trio_token()
+        self.thread = threading.get_ident()
 
     def track(self, tracking: Tracking) -> None:
         """Make the request findable by id, and start its deadline's task if it has one."""
@@ -155,8 +158,10 @@ class TrioRunner:
             self.app_scope.cancel()
 
     def cancel_app_soon(self) -> None:
-        # (from any thread: the shield() block may be sync code in a worker thread)
-        self.trio_token.run_sync_soon(self.cancel_app)
+        if threading.get_ident() == self.thread:
+            self.cancel_app()  # a cancelled scope: the app's next checkpoint raises
+        else:  # the shield() block was sync code in a worker thread
+            self.trio_token.run_sync_soon(self.cancel_app)
 
     def start_grace(self) -> None:
         self.grace_scope.deadline = trio.current_time() + self.cycle.options.grace
