@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING
 
-from ._registry import CancelRegistry, header_name
+from ._registry import CANCELLED, CANCELLED_STATUS, CancelRegistry, header_name
 from ._report import escaped
 from ._responses import refuse
 from .types import Scope
@@ -154,6 +154,8 @@ class Tracking:
             elif not valid_request_id(request_id):
                 expected = f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}"
                 return self._refuse(cycle, self.id_header, request_id, expected)
+            elif self.registry is not None and self.registry.cancelled_before_it_came(request_id):
+                return refuse(cycle.real_send, CANCELLED_STATUS, CANCELLED)
             token.request_id = request_id
             state = scope.get("state")
             if isinstance(state, dict):  # Starlette's request.state.request_id
