@@ -121,6 +121,8 @@ class CancelRegistry:
         self._broker_idle = broker is not None  # not yet started in an event loop
         if broker is not None:
             broker.bind(self)
+            if asyncio.events._get_running_loop() is not None:
+                self.started()  # made inside the loop (uvicorn imports the app there)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests

@@ -107,6 +107,8 @@ class RedisBroker:
         self._pending: dict[str, _Answers] = {}
         self._sending: set[asyncio.Task[object]] = set()
         self._nonces = 0
+        self._tried = False  # a first connection attempt has ended (made or failed)
+        self._tried_event: asyncio.Event | None = None
 
     def __repr__(self) -> str:
         return f"<RedisBroker {_without_credentials(self.url)} channel={self.channel!r}>"
@@ -124,13 +126,23 @@ class RedisBroker:
             logger.warning("asgi_cancel: RedisBroker needs asyncio; cancels stay local here")
             return
         self._loop = loop
+        self._tried_event = asyncio.Event()
         # An empty context: the listener must not keep the first request's context alive.
         self._task = contextvars.Context().run(loop.create_task, self._listen())
 
     async def cancel_elsewhere(self, request_id: str, reason: str) -> bool:
         loop = self._loop
-        if loop is None or not self.connected:
-            return False  # not started, or Redis is away: the local answer is the answer
+        if loop is None:
+            return False  # not started (no asyncio loop): the local answer is the answer
+        if not self.connected and not self._tried:
+            # Started just now (the first use of a process): its first connection is on the way.
+            if asyncio.get_running_loop() is loop:
+                await self._first_connection()
+            else:
+                waiting = asyncio.run_coroutine_threadsafe(self._first_connection(), loop)
+                await asyncio.wrap_future(waiting)
+        if not self.connected:
+            return False  # Redis is away: the local answer is the answer
         if asyncio.get_running_loop() is not loop:
             future = asyncio.run_coroutine_threadsafe(self._ask(request_id, reason), loop)
             return await asyncio.wrap_future(future)
@@ -143,6 +155,19 @@ class RedisBroker:
         try:
             loop.call_soon_threadsafe(self._send_soon, self._cancel_message(request_id, reason))
         except RuntimeError:  # the loop is closed
+            pass
+
+    def _tried_done(self) -> None:
+        if not self._tried:
+            self._tried = True
+            if self._tried_event is not None:
+                self._tried_event.set()
+
+    async def _first_connection(self) -> None:
+        assert self._tried_event is not None
+        try:
+            await asyncio.wait_for(self._tried_event.wait(), self.connect_timeout * 2)
+        except asyncio.TimeoutError:
             pass
 
     async def aclose(self) -> None:
@@ -215,6 +240,7 @@ class RedisBroker:
                 await pubsub.subscribe(self.channel, self._reply_channel(self.node))
                 self._client = client
                 self.connected = True
+                self._tried_done()
                 if away:
                     logger.info("asgi_cancel: the broker at %s is reachable again", self._safe_url)
                 away, backoff = False, 0.1
@@ -236,6 +262,7 @@ class RedisBroker:
                     )
             finally:
                 self.connected = False
+                self._tried_done()
                 await _quietly(pubsub.aclose())
                 await _quietly(client.aclose())
             await asyncio.sleep(backoff)
