@@ -21,7 +21,7 @@ from typing import Any
 from ._asyncio_task import in_anyio_shield, reacting, thread_future
 from ._cycle import Cycle, Options, State, logger, new_cycle
 from ._responses import COMPLETION_TIMEOUT, complete_cancelled
-from ._token import run_detached
+from ._token import current_source, run_detached
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
@@ -180,6 +180,15 @@ def _rest_of_request(
             yield from runner.wait_for_tasks(outside).__await__()
     if cycle.cancelled:
         yield from _bounded(complete_cancelled(cycle, receive, send)).__await__()
+
+
+def runs_the_request(task: asyncio.Task[Any]) -> bool:
+    """Whether `task` is the current request's own task (the one the middleware cancels), not
+    one the app spawned. Before the app's first yield nothing else of it can run."""
+    cycle = current_source()
+    if not isinstance(cycle, Cycle):
+        return False
+    return cycle.app_task is None or cycle.app_task is task
 
 
 def absorbs_cancellation(cycle: Cycle) -> bool:

@@ -302,6 +302,11 @@ def source_in(context: contextvars.Context) -> TokenSource | None:
     return context.get(_current)
 
 
+def current_source() -> TokenSource | None:
+    """The request being handled (its token not made by asking), or None outside one."""
+    return _current.get(None)
+
+
 def find_token() -> CancelToken | None:
     """The token of the request being handled, or None outside a request."""
     source = _current.get(None)

@@ -30,7 +30,7 @@ def test_all_lists_exactly_the_public_names() -> None:
     )
     public = {name for name in dir(asgi_cancel) if not name.startswith("_")}
     # submodules appear as attributes once imported elsewhere in the test session
-    submodules = {"httpx", "otel", "prometheus", "redis", "testing", "types", "vllm"}
+    submodules = {"aiohttp", "httpx", "otel", "prometheus", "redis", "testing", "types", "vllm"}
     assert public - submodules == set(asgi_cancel.__all__)
     assert isinstance(asgi_cancel.__version__, str)
 

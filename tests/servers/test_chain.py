@@ -51,7 +51,9 @@ def leave_gateway(backend: Server, gateway: Server, path: str, latencies: Latenc
 
 
 @pytest.mark.parametrize("path", ["/slow", "/stream"], ids=["non-streaming", "streaming"])
-@pytest.mark.parametrize("gateway", ["gateway", "gateway_middleware_only"], indirect=True)
+@pytest.mark.parametrize(
+    "gateway", ["gateway", "gateway_aiohttp", "gateway_middleware_only"], indirect=True
+)
 def test_backend_cancelled_when_the_client_leaves_the_gateway(
     backend: Server, gateway: Server, path: str, latencies: Latencies
 ) -> None:
@@ -74,7 +76,7 @@ def test_without_asgi_cancel_a_stream_is_closed_by_starlette_itself(
     leave_gateway(backend, gateway, "/stream", latencies)
 
 
-@pytest.mark.parametrize("gateway", ["gateway"], indirect=True)
+@pytest.mark.parametrize("gateway", ["gateway", "gateway_aiohttp"], indirect=True)
 def test_the_request_id_reaches_the_backend(backend: Server, gateway: Server) -> None:
     rid = new_id()
     with connect(gateway.port) as sock:
