@@ -1,8 +1,9 @@
 """The package as installed: each optional module names its extra when its dependency is missing.
 
-Each case runs in a fresh interpreter where the dependency is hidden (`sys.modules[name] = None`
-makes `import name` fail as if it were not installed), so the test session's own imports do not
-matter. That `import asgi_cancel` pulls no optional dependency is in test_api.py.
+Each case runs in a fresh interpreter where the dependency is hidden by a finder placed first on
+`sys.meta_path`, which fails the import as a package that is not installed does, so the test
+session's own imports do not matter. That `import asgi_cancel` pulls no optional dependency is
+in test_api.py.
 """
 
 from __future__ import annotations
@@ -26,9 +27,24 @@ OPTIONAL = (
 )
 
 
+# Raises what importing a package that is not installed raises: ModuleNotFoundError naming the
+# top-level package (`import redis.asyncio` fails on `redis`).
+HIDE = """
+import sys
+
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide())
+"""
+
+
 def run_hidden(hidden: tuple[str, ...], body: str) -> str:
     """Run `body` in a fresh interpreter with `hidden` not importable; return its stdout."""
-    code = f"import sys\nfor name in {hidden!r}:\n    sys.modules[name] = None\n{body}"
+    code = f"HIDDEN = {hidden!r}\n{HIDE}\n{body}"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
