@@ -24,7 +24,13 @@ from collections.abc import Iterable, Sequence
 from typing import Literal
 from urllib.parse import quote
 
-import anyio
+try:
+    import anyio
+except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
+    raise ImportError(
+        f"asgi_cancel.testing needs anyio ({exc.name} is missing): "
+        "pip install 'asgi-cancel[testing]'"
+    ) from exc
 
 from .types import ASGIApp, Message, Scope
 
