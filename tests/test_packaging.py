@@ -16,6 +16,7 @@ import pytest
 
 # Every third-party package an optional module or the trio driver may import.
 OPTIONAL = (
+    "aiohttp",
     "anyio",
     "httpx",
     "opentelemetry",
@@ -55,6 +56,7 @@ def run_hidden(hidden: tuple[str, ...], body: str) -> str:
 @pytest.mark.parametrize(
     ("module", "hidden", "extra"),
     [
+        ("asgi_cancel.aiohttp", "aiohttp", "aiohttp"),
         ("asgi_cancel.httpx", "httpx", "httpx"),
         ("asgi_cancel.httpx", "anyio", "httpx"),
         ("asgi_cancel.prometheus", "prometheus_client", "prometheus"),
@@ -62,7 +64,15 @@ def run_hidden(hidden: tuple[str, ...], body: str) -> str:
         ("asgi_cancel.otel", "opentelemetry", "otel"),
         ("asgi_cancel.testing", "anyio", "testing"),
     ],
-    ids=["httpx-without-httpx", "httpx-without-anyio", "prometheus", "redis", "otel", "testing"],
+    ids=[
+        "aiohttp",
+        "httpx-without-httpx",
+        "httpx-without-anyio",
+        "prometheus",
+        "redis",
+        "otel",
+        "testing",
+    ],
 )
 def test_optional_module_without_its_dependency_names_its_extra(
     module: str, hidden: str, extra: str
