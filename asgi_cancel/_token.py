@@ -18,7 +18,7 @@ from contextlib import ContextDecorator, contextmanager
 from time import monotonic
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["CancelToken", "Canceller", "current_token", "detach", "shield"]
+__all__ = ["CancelToken", "Canceller", "TokenUsage", "current_token", "detach", "shield"]
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -76,6 +76,9 @@ class CancelToken:
     deadline: float | None = None
     _detached: bool = False
     _finished: list[Callable[[], object]] | None = None
+    #: The tokens an engine spent on the request, as a binding counted them
+    #: (`asgi_cancel.vllm.generate`, `count_output`); None until one counts.
+    usage: TokenUsage | None = None
 
     def __repr__(self) -> str:
         state = f"cancelled, reason={self._reason!r}" if self._cancelled else "active"
@@ -152,6 +155,17 @@ class CancelToken:
 
         return unregister
 
+    def add_usage(self, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """Count tokens an engine spent on the request (a binding calls it as outputs come):
+        what a cancelled request cost, and how much of it after its cancellation began."""
+        usage = self.usage
+        if usage is None:
+            usage = self.usage = TokenUsage()
+            if self._cancelled:
+                usage.completion_tokens_at_cancel = 0
+        usage.prompt_tokens += prompt_tokens
+        usage.completion_tokens += completion_tokens
+
     def remaining(self) -> float | None:
         """Seconds left before the request's deadline (0 once it passed), or None without one."""
         if self.deadline is None:
@@ -186,6 +200,8 @@ class CancelToken:
             return
         self._cancelled = True
         self._reason = reason
+        if self.usage is not None:
+            self.usage.completion_tokens_at_cancel = self.usage.completion_tokens
         self._canceller = canceller
         callbacks = self._callbacks
         while callbacks:
@@ -267,6 +283,30 @@ class CancelToken:
                 self._canceller.spawn(result)
             else:
                 run_detached(result)
+
+
+class TokenUsage:
+    """What an engine spent on one request, in tokens: `prompt_tokens`, `completion_tokens`
+    (every choice, so far), and `completion_tokens_at_cancel` (None unless cancelled), from
+    which `after_cancel`: the tokens generated once the request's cancellation had begun."""
+
+    __slots__ = ("completion_tokens", "completion_tokens_at_cancel", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.completion_tokens_at_cancel: int | None = None
+
+    @property
+    def after_cancel(self) -> int:
+        at_cancel = self.completion_tokens_at_cancel
+        return 0 if at_cancel is None else self.completion_tokens - at_cancel
+
+    def __repr__(self) -> str:
+        return (
+            f"<TokenUsage prompt={self.prompt_tokens} completion={self.completion_tokens} "
+            f"after_cancel={self.after_cancel}>"
+        )
 
 
 def _noop() -> None:
