@@ -22,6 +22,7 @@ def test_all_lists_exactly_the_public_names() -> None:
         "CancelOnDisconnectMiddleware",
         "CancelRegistry",
         "CancelToken",
+        "TokenUsage",
         "cancel_endpoint",
         "current_token",
         "detach",
