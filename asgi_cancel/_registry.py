@@ -49,7 +49,10 @@ class Stoppable(Protocol):
         to stop (the response was complete, or the request already cancelled)."""
 
 
-_Entry = tuple[Callable[[Callable[[], object]], object], int]
+# One thread's running requests: id -> {request: its loop's call_soon_threadsafe}. Only that
+# thread's event loop changes it, so registering needs no lock; other threads copy it (one
+# C-level copy, atomic under the GIL) to look a request up.
+_Table = dict[str, dict["Stoppable", Callable[[Callable[[], object]], object]]]
 
 
 class Broker(Protocol):
@@ -114,8 +117,8 @@ class CancelRegistry:
         ):
             raise ValueError(f"remember must be a finite number of seconds >= 0, got {remember!r}")
         self.remember = float(remember)
-        self._requests: dict[str, dict[Stoppable, _Entry]] = {}
-        self._lock = threading.Lock()
+        self._tables: dict[int, _Table] = {}  # by thread: each changed by its own loop only
+        self._lock = threading.Lock()  # for the remembered cancels
         self._remembered: dict[str, float] = {}  # id -> when it is forgotten
         self.broker = broker
         self._broker_idle = broker is not None  # not yet started in an event loop
@@ -125,10 +128,14 @@ class CancelRegistry:
                 self.started()  # made inside the loop (uvicorn imports the app there)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests
+        return any(request_id in table for table in list(self._tables.values()))
 
     def __len__(self) -> int:
-        return len(self._requests)
+        """How many ids are running."""
+        ids: set[str] = set()
+        for table in list(self._tables.values()):
+            ids.update(list(table))
+        return len(ids)
 
     def cancel(self, request_id: str, reason: str = CANCELLED) -> bool:
         """Cancel the running request(s) with this id.
@@ -236,30 +243,39 @@ class CancelRegistry:
         self, request_id: str, reason: str
     ) -> tuple[bool, list[concurrent.futures.Future[bool]]]:
         """Stop this thread's requests with the id; hand the others' stops to their loops."""
-        with self._lock:
-            entries = list(self._requests.get(request_id, {}).items())
+        here = threading.get_ident()
         stopped = False
         handed: list[concurrent.futures.Future[bool]] = []
-        for cycle, (call_soon_threadsafe, thread) in entries:
-            if thread == threading.get_ident():
-                stopped = cycle.stop(reason, CANCELLED_STATUS) or stopped
-                continue
-            future: concurrent.futures.Future[bool] = concurrent.futures.Future()
-
-            def run(
-                cycle: Stoppable = cycle, future: concurrent.futures.Future[bool] = future
-            ) -> None:
-                try:
-                    future.set_result(cycle.stop(reason, CANCELLED_STATUS))
-                except BaseException as exc:  # pragma: no cover - stop() logs and absorbs
-                    future.set_exception(exc)
-
-            try:
-                call_soon_threadsafe(run)
-            except RuntimeError:  # the loop is closed: the request is over
-                continue
-            handed.append(future)
+        for thread, table in list(self._tables.items()):
+            for cycle, call_soon_threadsafe in list(table.get(request_id, {}).items()):
+                if thread == here:
+                    stopped = cycle.stop(reason, CANCELLED_STATUS) or stopped
+                else:
+                    future = self._hand_over(cycle, call_soon_threadsafe, reason)
+                    if future is not None:
+                        handed.append(future)
         return stopped, handed
+
+    @staticmethod
+    def _hand_over(
+        cycle: Stoppable,
+        call_soon_threadsafe: Callable[[Callable[[], object]], object],
+        reason: str,
+    ) -> concurrent.futures.Future[bool] | None:
+        """Have the request's own loop stop it; the future of its answer (None: loop gone)."""
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(cycle.stop(reason, CANCELLED_STATUS))
+            except BaseException as exc:  # pragma: no cover - stop() logs and absorbs
+                future.set_exception(exc)
+
+        try:
+            call_soon_threadsafe(run)
+        except RuntimeError:  # the loop is closed: the request is over
+            return None
+        return future
 
     # -- for the middleware ------------------------------------------------------------------
     def register(
@@ -271,22 +287,26 @@ class CancelRegistry:
         """Make a running request findable (called in its event loop)."""
         if self._broker_idle:
             self.started()
-        entry = (call_soon_threadsafe, threading.get_ident())
-        with self._lock:
-            entries = self._requests.get(request_id)
-            if entries is None:
-                self._requests[request_id] = {cycle: entry}
-            else:
-                entries[cycle] = entry
+        thread = threading.get_ident()
+        table = self._tables.get(thread)
+        if table is None:
+            table = self._tables.setdefault(thread, {})
+        entries = table.get(request_id)
+        if entries is None:
+            table[request_id] = {cycle: call_soon_threadsafe}
+        else:
+            entries[cycle] = call_soon_threadsafe
 
     def unregister(self, request_id: str, cycle: Stoppable) -> None:
-        """The request is over: forget it."""
-        with self._lock:
-            entries = self._requests.get(request_id)
-            if entries is not None:
-                entries.pop(cycle, None)
-                if not entries:
-                    del self._requests[request_id]
+        """The request is over: forget it (called in its event loop, as `register`)."""
+        table = self._tables.get(threading.get_ident())
+        if table is None:
+            return
+        entries = table.get(request_id)
+        if entries is not None:
+            entries.pop(cycle, None)
+            if not entries:
+                del table[request_id]
 
 
 def _on_event_loop() -> bool:

@@ -39,8 +39,10 @@ WARM_UP = 300
 # requests that cross it under callgrind are those that would at full speed (none of these).
 # Unscaled, the count depended on the machine's load (a loaded run watched some requests).
 CALLGRIND_SLOWDOWN = 2.14
-OPTION_ENV = "BENCH_MIDDLEWARE_OPTION"  # "registry" (ids) or "timeout" (a 30 s deadline)
-OPTIONS = ("registry", "timeout")
+# "registry" (ids), "broker" (ids, cancels carried by the Redis at $ASGI_CANCEL_REDIS_URL) or
+# "timeout" (a 30 s deadline).
+OPTION_ENV = "BENCH_MIDDLEWARE_OPTION"
+OPTIONS = ("registry", "broker", "timeout")
 
 _START = {
     "type": "http.response.start",
@@ -77,10 +79,15 @@ def wrapped(app: Any, wrap: str, watch_delay: float | None = None) -> Any:
             watch_delay = default.default * CALLGRIND_SLOWDOWN
         extra: dict[str, Any] = {}
         option = os.environ.get(OPTION_ENV, "")
-        if option == "registry":
+        if option in ("registry", "broker"):
             from asgi_cancel import CancelRegistry
 
-            extra["registry"] = CancelRegistry()
+            broker = None
+            if option == "broker":
+                from asgi_cancel.redis import RedisBroker
+
+                broker = RedisBroker(os.environ["ASGI_CANCEL_REDIS_URL"])
+            extra["registry"] = CancelRegistry(broker=broker)
         elif option == "timeout":
             extra["timeout"] = 30.0
         app = CancelOnDisconnectMiddleware(app, watch_delay=watch_delay, **extra)
