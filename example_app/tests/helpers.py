@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +65,34 @@ def request(
         return response.status, response.headers, response.read()
     finally:
         connection.close()
+
+
+def open_request(
+    port: int, path: str, body: bytes, headers: Mapping[str, str] | None = None
+) -> socket.socket:
+    """A raw connection with one POST on it, so that closing it disconnects."""
+    head = f"POST {path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(body)}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    sock = socket.create_connection((HOST, port), timeout=WATCHDOG)
+    sock.sendall(head.encode() + b"\r\n" + body)
+    return sock
+
+
+def read_until(sock: socket.socket, done: Callable[[bytes], bool]) -> bytes:
+    received = b""
+    while not done(received):
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed after {received!r}"
+        received += chunk
+    return received
+
+
+def close(sock: socket.socket) -> float:
+    """The client leaves: FIN first (a close() with unread bytes sends only an RST)."""
+    closed_at = time.monotonic()
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    return closed_at
 
 
 def run_example(

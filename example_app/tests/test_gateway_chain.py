@@ -19,16 +19,26 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from example_app.gateway_cli import GatewayProcess
-from example_app.launch import HOST, ServerProcess, Subprocess, answers, free_port
+from example_app.launch import ServerProcess, Subprocess, answers, free_port
 
-from .helpers import WATCHDOG, completion_body, delta, request, stats, wait_for, wait_idle
+from .helpers import (
+    close,
+    completion_body,
+    delta,
+    open_request,
+    read_until,
+    request,
+    stats,
+    wait_for,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(120)]
 
@@ -46,28 +56,7 @@ CASES = {
 
 def post(port: int, stream: bool, max_tokens: int) -> socket.socket:
     """A raw connection with one completion request on it, so that closing it disconnects."""
-    body = completion_body(max_tokens, stream=stream)
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(body)}\r\n\r\n"
-    sock = socket.create_connection((HOST, port), timeout=WATCHDOG)
-    sock.sendall(head.encode() + body)
-    return sock
-
-
-def read_until(sock: socket.socket, done: Callable[[bytes], bool]) -> bytes:
-    received = b""
-    while not done(received):
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed after {received!r}"
-        received += chunk
-    return received
-
-
-def close(sock: socket.socket) -> float:
-    """The client leaves: FIN first (a close() with unread bytes sends only an RST)."""
-    closed_at = time.monotonic()
-    sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-    return closed_at
+    return open_request(port, "/v1/completions", completion_body(max_tokens, stream=stream))
 
 
 @dataclass
