@@ -27,13 +27,12 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from ._extras import missing_extra
+
 try:
     import aiohttp
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
-    raise ImportError(
-        f"asgi_cancel.aiohttp needs aiohttp ({exc.name} is missing): "
-        "pip install 'asgi-cancel[aiohttp]'"
-    ) from exc
+    raise missing_extra("aiohttp", exc) from exc
 
 from ._asyncio import runs_the_request
 from ._forwarding import Forwarding, ForwardTo

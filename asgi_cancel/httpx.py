@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
 
+from ._extras import missing_extra
+
 try:
     import anyio
     import httpx
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
-    raise ImportError(
-        f"asgi_cancel.httpx needs httpx and anyio ({exc.name} is missing): "
-        "pip install 'asgi-cancel[httpx]'"
-    ) from exc
+    raise missing_extra("httpx", exc) from exc
 
 from ._forwarding import Forwarding, ForwardTo
 from ._token import CancelToken, find_token

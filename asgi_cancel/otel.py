@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from time import monotonic
 
+from ._extras import missing_extra
+
 try:
     from opentelemetry import trace
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
-    raise ImportError(
-        f"asgi_cancel.otel needs opentelemetry-api ({exc.name} is missing): "
-        "pip install 'asgi-cancel[otel]'"
-    ) from exc
+    raise missing_extra("otel", exc) from exc
 
 from ._report import phase
 from ._token import current_token

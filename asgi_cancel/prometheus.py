@@ -17,13 +17,12 @@ from collections.abc import Callable, Sequence
 from time import monotonic
 from typing import Any
 
+from ._extras import missing_extra
+
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
-    raise ImportError(
-        f"asgi_cancel.prometheus needs prometheus_client ({exc.name} is missing): "
-        "pip install 'asgi-cancel[prometheus]'"
-    ) from exc
+    raise missing_extra("prometheus", exc) from exc
 
 from ._report import phase, route_template
 from ._token import TokenUsage

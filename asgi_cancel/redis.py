@@ -29,13 +29,13 @@ import os
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from ._extras import missing_extra
+
 try:
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
-    raise ImportError(
-        f"asgi_cancel.redis needs redis ({exc.name} is missing): pip install 'asgi-cancel[redis]'"
-    ) from exc
+    raise missing_extra("redis", exc) from exc
 
 from ._registry import CancelRegistry
 from ._tracking import valid_request_id

@@ -24,13 +24,12 @@ from collections.abc import Iterable, Sequence
 from typing import Literal
 from urllib.parse import quote
 
+from ._extras import missing_extra
+
 try:
     import anyio
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
-    raise ImportError(
-        f"asgi_cancel.testing needs anyio ({exc.name} is missing): "
-        "pip install 'asgi-cancel[testing]'"
-    ) from exc
+    raise missing_extra("testing", exc) from exc
 
 from .types import ASGIApp, Message, Scope
 
