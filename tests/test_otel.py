@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
+import anyio
+import anyio.lowlevel
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -15,7 +16,7 @@ from asgi_cancel.otel import EVENT, TraceCancellations
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import respond, slow_app, streaming_app, with_watchdog
+from .helpers import leave, respond, slow_app, streaming_app, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
@@ -50,13 +51,10 @@ async def test_cancelled_request_span_gets_event_and_attributes(
     inner = streaming_app(events) if stream else slow_app(events, read=False)
     app = traced(CancelOnDisconnectMiddleware(TraceCancellations(inner), watch_delay=0), exporter)
     conn = ClientConnection()
-    task = asyncio.create_task(conn.run(app, http_scope("GET", "/v1/x")))
-    if stream:
-        await with_watchdog(conn.wait_for_body_chunks(2))
-    else:
-        await asyncio.sleep(0.05)
-    conn.disconnect()
-    await with_watchdog(task)
+    scope = http_scope("GET", "/v1/x")
+    await leave(
+        app, conn, scope, when=lambda: conn.body_chunks >= 2 if stream else conn.receive_calls >= 2
+    )
     (span,) = exporter.get_finished_spans()
     assert [event.name for event in span.events] == [EVENT]
     attributes = dict(span.events[0].attributes or {})
@@ -68,7 +66,7 @@ async def test_cancelled_request_span_gets_event_and_attributes(
 
 async def test_span_untouched_when_not_cancelled(exporter: InMemorySpanExporter) -> None:
     async def hello(scope: Scope, receive: Receive, send: Send) -> None:
-        await asyncio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         await respond(send)
 
     app = traced(CancelOnDisconnectMiddleware(TraceCancellations(hello)), exporter)
@@ -81,12 +79,7 @@ async def test_span_untouched_when_not_cancelled(exporter: InMemorySpanExporter)
 
 async def test_nothing_without_a_span_or_outside_the_middleware() -> None:
     events: list[str] = []
-    conn = ClientConnection()
-    app = CancelOnDisconnectMiddleware(TraceCancellations(slow_app(events, read=False)))
-    task = asyncio.create_task(conn.run(app, http_scope("GET", "/")))
-    await asyncio.sleep(0.05)
-    conn.disconnect()
-    await with_watchdog(task)
+    await leave(CancelOnDisconnectMiddleware(TraceCancellations(slow_app(events, read=False))))
     assert events == ["cancelled"]
 
     async def hello(scope: Scope, receive: Receive, send: Send) -> None:

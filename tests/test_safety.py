@@ -28,20 +28,21 @@ from starlette.testclient import TestClient
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import WATCHDOG, read_body, until, with_watchdog
+from .helpers import WATCHDOG, leave, read_body, tasks_alive, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
 THREAD_WORK = 0.3
+CLEANUP = 0.3
 needs_cancelling = pytest.mark.skipif(
     sys.version_info < (3, 11),
     reason="Python 3.10 has no Task.cancelling(): a framework's own cancellation is invisible",
 )
 
 
-# -- worker threads -----------------------------------------------------------------------------
+# -- 11. worker threads -------------------------------------------------------------------------
 ThreadRunner = Callable[[Callable[[], None]], Awaitable[object]]
 
 
@@ -58,10 +59,17 @@ THREAD_RUNNERS: dict[str, ThreadRunner] = {
     "loop.run_in_executor": _run_in_executor,
     "asgiref.sync_to_async": lambda work: sync_to_async(work, thread_sensitive=False)(),
 }
+ANYIO_RUNNERS = ("anyio.to_thread", "starlette.run_in_threadpool")  # the others are asyncio's
 
 
-@pytest.mark.parametrize("runner", list(THREAD_RUNNERS.values()), ids=list(THREAD_RUNNERS))
-async def test_request_does_not_unwind_around_a_running_thread(runner: ThreadRunner) -> None:
+@pytest.mark.parametrize(
+    ("anyio_backend", "runner"),
+    [("asyncio", name) for name in THREAD_RUNNERS] + [("trio", name) for name in ANYIO_RUNNERS],
+    ids=lambda value: str(value),
+)
+async def test_request_does_not_unwind_around_a_running_thread(
+    anyio_backend: str, runner: str
+) -> None:
     """The token fires at once; the cancellation lands at the next await after the thread."""
     events: list[str] = []
     fired_while_thread_ran = threading.Event()
@@ -79,20 +87,16 @@ async def test_request_does_not_unwind_around_a_running_thread(runner: ThreadRun
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
         try:
-            await runner(work)
+            await THREAD_RUNNERS[runner](work)
             events.append("after the thread")
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
         finally:
             events.append("teardown")
 
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: "thread started" in events)
-    conn.disconnect()
-    await with_watchdog(task)
+    await leave(CancelOnDisconnectMiddleware(app), when=lambda: "thread started" in events)
     assert fired_while_thread_ran.is_set()  # the token told the thread at once
     assert events == [
         "thread started",
@@ -101,34 +105,6 @@ async def test_request_does_not_unwind_around_a_running_thread(runner: ThreadRun
         "cancelled",
         "teardown",
     ]
-
-
-async def test_thread_that_checks_the_token_stops_at_its_next_check() -> None:
-    events: list[str] = []
-
-    def work() -> None:
-        token = current_token()
-        events.append("thread started")
-        for _ in range(1000):
-            token.raise_if_cancelled()
-            time.sleep(0.005)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        try:
-            await run_in_threadpool(work)
-        except asyncio.CancelledError:
-            events.append("cancelled")
-            raise
-
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: "thread started" in events)
-    started = time.monotonic()
-    conn.disconnect()
-    await with_watchdog(task)
-    assert events == ["thread started", "cancelled"]
-    assert time.monotonic() - started < 1.0  # not the 5 s the loop would take
 
 
 class Session:
@@ -178,22 +154,15 @@ async def test_fastapi_yield_dependency_torn_down_after_the_thread(endpoint_kind
         @api.get("/")
         async def async_endpoint(db: Session = Depends(get_db)) -> dict[str, str]:  # noqa: B008
             await run_in_threadpool(work, db)
-            await asyncio.sleep(30)
+            await anyio.sleep(30)
             return {"status": "done"}
 
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(api), http_scope("GET")))
-    await until(lambda: "endpoint started" in events)
-    conn.disconnect()
-    await with_watchdog(task)
+    await leave(CancelOnDisconnectMiddleware(api), when=lambda: "endpoint started" in events)
     assert events == ["endpoint started", "endpoint returned", "session closed"]
 
 
-# -- apps that cancel their own work ------------------------------------------------------------
-CLEANUP = 0.3
-
-
-def self_cancelling_app(events: list[str], shape: str) -> Callable[..., Awaitable[None]]:
+# -- 10. apps that cancel their own work --------------------------------------------------------
+def self_cancelling_app(events: list[str], shape: str) -> ASGIApp:
     """Django's shape (cancel the handler task, await it) or Quart's (cancel, gather)."""
 
     async def handler() -> None:
@@ -228,23 +197,30 @@ def self_cancelling_app(events: list[str], shape: str) -> Callable[..., Awaitabl
 
 
 @needs_cancelling
+@pytest.mark.asyncio_only(reason="Django's and Quart's shapes are asyncio tasks")
 @pytest.mark.parametrize("shape", ["django", "quart"])
 async def test_app_cancelling_its_own_handler_gets_no_second_cancellation(shape: str) -> None:
     events: list[str] = []
-    conn = ClientConnection()
-    middleware = CancelOnDisconnectMiddleware(self_cancelling_app(events, shape), grace=0.02)
-    task = asyncio.create_task(conn.run(middleware))
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
+    await leave(CancelOnDisconnectMiddleware(self_cancelling_app(events, shape), grace=0.02))
     # The 0.3 s cleanup outlived the 0.02 s grace and completed; the middleware returned
     # only after the app had finished.
     assert events == ["handler cancelled", "cleanup done", "app finished"]
 
 
 @needs_cancelling
-async def test_task_group_listener_with_shielded_cleanup_is_left_to_finish() -> None:
+async def test_task_group_listener_with_shielded_cleanup_is_left_to_finish(
+    anyio_backend: str, request: pytest.FixtureRequest
+) -> None:
     """Starlette's StreamingResponse below spec 2.4, sse-starlette: an anyio task group."""
+    request.applymarker(
+        pytest.mark.xfail(
+            anyio_backend == "trio",
+            strict=True,
+            reason="gap (trio): the driver cannot tell an app that reacted to the disconnect "
+            "from one that ignored it, and cancels it `grace` after the disconnect: the "
+            "shielded cleanup completes, the code after it is cut",
+        )
+    )
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -269,11 +245,7 @@ async def test_task_group_listener_with_shielded_cleanup_is_left_to_finish() -> 
             group.start_soon(stream)
         events.append("app finished")
 
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app, grace=0.02)))
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
+    await leave(CancelOnDisconnectMiddleware(app, grace=0.02))
     assert events == ["cleanup done", "app finished"]
 
 
@@ -292,20 +264,16 @@ async def test_streaming_response_below_spec_2_4_with_sync_iterator() -> None:
 
     app = Starlette(routes=[Route("/", endpoint)])
     conn = ClientConnection()
-    scope = http_scope("GET")
-    scope["asgi"] = {"version": "3.0", "spec_version": "2.3"}
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app), scope))
-    await with_watchdog(conn.wait_for_body_chunks(3))
-    conn.disconnect()
-    await with_watchdog(task)
+    scope = http_scope("GET", spec_version="2.3")
+    await leave(CancelOnDisconnectMiddleware(app), conn, scope, when=lambda: conn.body_chunks >= 3)
     assert conn.app_exception is None
     count = len(produced)
-    await asyncio.sleep(0.1)
+    await anyio.sleep(0.1)
     assert len(produced) == count < 1000  # the iteration stopped with the request
 
 
-# -- outside cancellations ----------------------------------------------------------------------
-def sleeping_app(events: list[str]) -> Callable[..., Awaitable[None]]:
+# -- 12. outside cancellations ------------------------------------------------------------------
+def sleeping_app(events: list[str]) -> ASGIApp:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
@@ -328,61 +296,52 @@ async def test_level_triggered_outside_cancel_scope_ends_the_request(disconnect:
     """anyio cancels on every loop iteration until the scope is left: no livelock."""
     events: list[str] = []
     conn = ClientConnection()
-    before = asyncio.all_tasks()
-    with anyio.fail_after(WATCHDOG):  # the watchdog: a livelock would spin here forever
+    before = tasks_alive()
+    with anyio.fail_after(WATCHDOG):  # a livelock would spin here forever
         with anyio.CancelScope() as scope:
-
-            async def cancel_soon() -> None:
-                await with_watchdog(conn.wait_for_body_chunks(1))
+            async with anyio.create_task_group() as group:
+                group.start_soon(conn.run, CancelOnDisconnectMiddleware(sleeping_app(events)))
+                await conn.wait_for_body_chunks(1)
                 if disconnect:
                     conn.disconnect()  # both in the same loop iteration
                 scope.cancel()
-
-            helper = asyncio.create_task(cancel_soon())
-            await conn.run(CancelOnDisconnectMiddleware(sleeping_app(events)))
-        await helper
     # Connected, the outside cancellation propagated out of the middleware; disconnected, the
     # middleware's own cancellation may win the race and return normally: both are fine.
-    assert scope.cancelled_caught or disconnect
+    assert isinstance(conn.app_exception, anyio.get_cancelled_exc_class()) or disconnect
     assert events == ["app ended"]
-    assert asyncio.all_tasks() - before == set()
+    assert tasks_alive() == before
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout() is Python 3.11+")
+@pytest.mark.asyncio_only(reason="asyncio.timeout()")
 async def test_asyncio_timeout_around_the_app_is_raised_promptly() -> None:
     events: list[str] = []
-    conn = ClientConnection()
     started = time.monotonic()
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.05):  # type: ignore[attr-defined,unused-ignore]
-            await conn.run(CancelOnDisconnectMiddleware(sleeping_app(events)))
+            await ClientConnection().run(CancelOnDisconnectMiddleware(sleeping_app(events)))
     assert time.monotonic() - started < 1.0
     assert events == ["app ended"]
 
 
 @needs_cancelling
-def test_testclient_closing_an_unfinished_stream_cancels_the_app() -> None:
-    """The issue's eleven lines: Starlette's TestClient closing a stream early."""
-    events: list[str] = []
-    app = CancelOnDisconnectMiddleware(sleeping_app(events))
-    with TestClient(app).stream("GET", "/") as response:
-        assert next(response.iter_raw()) == b"hello"
-    assert events == ["app ended"]
-
-
-@needs_cancelling
-def test_testclient_closing_the_client_cancels_an_unclosed_response() -> None:
-    """Starlette's own test_closing_client_cancels_unclosed_response, with the app wrapped."""
+@pytest.mark.parametrize("close", ["stream", "client"])
+def test_testclient_closing_an_unfinished_stream_cancels_the_app(close: str) -> None:
+    """The issue's eleven lines (Starlette's TestClient closing a stream early), and
+    Starlette's own test_closing_client_cancels_unclosed_response with the app wrapped."""
     events: list[str] = []
     app = CancelOnDisconnectMiddleware(sleeping_app(events))
     with TestClient(app) as client:
         stream = client.stream("GET", "/")
-        response = stream.__enter__()  # never exited: the client's close ends it
+        response = stream.__enter__()
         assert next(response.iter_raw()) == b"hello"
-    assert events == ["app ended"]
+        if close == "stream":
+            stream.__exit__(None, None, None)
+            assert events == ["app ended"]
+    assert events == ["app ended"]  # "client": never exited, the client's close ends it
 
 
-# -- outer middlewares --------------------------------------------------------------------------
+# -- 13. outer middlewares ----------------------------------------------------------------------
 async def test_outer_base_http_middleware_gets_a_response_not_an_error() -> None:
     """asgi-cancel inside `@app.middleware("http")`: no "No response returned." error."""
     events: list[str] = []
@@ -390,11 +349,11 @@ async def test_outer_base_http_middleware_gets_a_response_not_an_error() -> None
 
     async def slow(request: Request) -> Response:
         try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
-        return Response("done")
+        return Response("done")  # pragma: no cover
 
     async def dispatch(request: Request, call_next: RequestResponseEndpoint) -> Response:
         response = await call_next(request)
@@ -402,12 +361,7 @@ async def test_outer_base_http_middleware_gets_a_response_not_an_error() -> None
         return response
 
     inner = CancelOnDisconnectMiddleware(Starlette(routes=[Route("/", slow)]))
-    app = BaseHTTPMiddleware(inner, dispatch=dispatch)
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(app, http_scope("GET")))
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
+    conn = await leave(BaseHTTPMiddleware(inner, dispatch=dispatch))
     assert conn.app_exception is None
     assert events == ["cancelled"]
     assert statuses == [499]
