@@ -232,11 +232,3 @@ def cleanup_scope() -> anyio.CancelScope:
 
 def tasks_alive() -> int:
     return len(anyio.get_running_tasks())
-
-
-def current_token_set() -> bool:
-    try:
-        current_token()
-    except RuntimeError:
-        return False
-    return True

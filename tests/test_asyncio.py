@@ -7,6 +7,7 @@ grace period's extra loop iterations), and a finished request freed by reference
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import sys
 import time
@@ -35,6 +36,10 @@ NEEDS_UNCANCEL = pytest.mark.skipif(
     sys.version_info < (3, 11), reason="Task.cancelling()/uncancel() need Python 3.11"
 )
 NO_CANCELLING_ON_3_10 = "Python 3.10 has no Task.cancelling()/uncancel(): "
+needs_cancelling = pytest.mark.skipif(
+    sys.version_info < (3, 11),
+    reason="Python 3.10 has no Task.cancelling(): a framework's own cancellation is invisible",
+)
 
 
 async def serve(app: ASGIApp, conn: ClientConnection) -> str:
@@ -252,18 +257,23 @@ async def test_finished_requests_cycle_is_freed_by_refcount(path: str) -> None:
         gc.enable()
 
 
-# -- 9. vLLM's with_cancellation ----------------------------------------------------------------
-def with_cancellation_app(outcome: dict[str, Any], *, watcher_reads: bool) -> ASGIApp:
-    """vLLM's `with_cancellation` (vllm/entrypoints/utils.py): the handler runs in its own
-    task, a second task waits in `receive()` for `http.disconnect`, and the wrapper waits for
-    the first of the two with `asyncio.wait(FIRST_COMPLETED)`, which does not cancel the tasks
-    it waits on when the wrapper itself is cancelled: the middleware must not orphan them."""
+# -- 9/10. apps that cancel their own handler task -----------------------------------------------
+def self_cancelling_app(
+    outcome: dict[str, Any], shape: str, *, cleanup: float = 0.0, watcher_reads: bool = False
+) -> ASGIApp:
+    """The handler and a disconnect listener in tasks of their own, the first to end cancelling
+    the other: Django 5 then awaits the handler, Quart gathers both, and vLLM's
+    `with_cancellation` (vllm/entrypoints/utils.py) awaits nothing: its
+    `asyncio.wait(FIRST_COMPLETED)` does not cancel the tasks it waits on when the wrapper itself
+    is cancelled, so the middleware must not cancel the wrapper before it has cancelled them."""
 
     async def handler() -> None:
         try:
             await asyncio.sleep(30)  # the engine generates
         except asyncio.CancelledError:
             outcome["handler"] = "cancelled"
+            await asyncio.sleep(cleanup)  # cleanup that awaits, maybe longer than `grace`
+            outcome["cleanup"] = "done"
             raise
 
     async def listen(receive: Receive) -> None:
@@ -283,14 +293,36 @@ def with_cancellation_app(outcome: dict[str, Any], *, watcher_reads: bool) -> AS
                 [handler_task, listener], return_when=asyncio.FIRST_COMPLETED
             )
         except asyncio.CancelledError:
-            outcome["wrapper"] = "cancelled while waiting"
+            outcome["app"] = "cancelled while waiting"
             raise
         for task in pending:
             task.cancel()
-        outcome["wrapper"] = "handler done" if handler_task in done else "disconnect won"
-        await respond(send, b"null")  # FastAPI would serialise the None: dropped
+        if shape == "django":
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler_task
+        elif shape == "quart":
+            await asyncio.gather(handler_task, listener, return_exceptions=True)
+        outcome["app"] = "handler done" if handler_task in done else "disconnect won"
+        await respond(send, b"null")  # FastAPI would serialise vLLM's None: dropped
 
     return app
+
+
+@needs_cancelling
+@pytest.mark.parametrize("shape", ["django", "quart"])
+async def test_app_cancelling_its_own_handler_gets_no_second_cancellation(shape: str) -> None:
+    outcome: dict[str, Any] = {}
+    app = self_cancelling_app(outcome, shape, cleanup=0.3)
+    conn = await leave(CancelOnDisconnectMiddleware(app, grace=0.02))
+    # The 0.3 s cleanup outlived the 0.02 s grace and completed; the middleware returned
+    # only after the app had finished.
+    assert outcome["handler_task"].done()
+    assert (outcome["handler"], outcome["cleanup"], outcome["app"]) == (
+        "cancelled",
+        "done",
+        "disconnect won",
+    )
+    assert conn.app_exception is None
 
 
 @pytest.mark.parametrize("busy_loop_for", [0.0, 0.3], ids=["idle-loop", "busy-loop"])
@@ -303,7 +335,7 @@ async def test_with_cancellation_gets_the_disconnect_first_and_nothing_is_orphan
     cancel its handler task before the middleware would cancel the wrapper."""
     outcome: dict[str, Any] = {}
     conn = ClientConnection(b"{}")
-    app = with_cancellation_app(outcome, watcher_reads=watcher_reads)
+    app = self_cancelling_app(outcome, "vllm", watcher_reads=watcher_reads)
     task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app), http_scope("POST")))
     await until(lambda: "handler_task" in outcome)
     conn.disconnect()
@@ -315,6 +347,6 @@ async def test_with_cancellation_gets_the_disconnect_first_and_nothing_is_orphan
     orphaned = not handler_task.done()
     handler_task.cancel()
     assert not orphaned, outcome
-    assert (outcome["wrapper"], outcome["handler"]) == ("disconnect won", "cancelled")
+    assert (outcome["app"], outcome["handler"]) == ("disconnect won", "cancelled")
     assert conn.sent == []
     assert conn.app_exception is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from contextlib import nullcontext
 from typing import Any
 
 import anyio
@@ -287,92 +288,44 @@ async def test_starlette_is_disconnected_polling_sees_the_cached_disconnect() ->
     assert events == ["saw the disconnect", "cancelled"]
 
 
-async def test_background_task_receive_after_the_request_gets_the_cached_disconnect() -> None:
-    """A task that outlives the request and calls receive() late must not block (hypercorn)."""
-    late: list[Message] = []
-    late_token: list[bool] = []
-
-    async def later(receive: Receive) -> None:
-        await anyio.sleep(0.02)
-        with anyio.fail_after(1):
-            late.append(await receive())
-        late_token.append(current_token().cancelled)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        group.start_soon(later, receive)  # in the server's task group: outlives the request
-        await anyio.sleep(0.005)  # the watcher starts
-        await respond(send)  # the server answers with http.disconnect right after
-
-    conn = ClientConnection(after_disconnect="block")
-    with anyio.fail_after(WATCHDOG):
-        async with anyio.create_task_group() as group:
-            await conn.run(CancelOnDisconnectMiddleware(app))
-    assert late == [DISCONNECT]
-    assert late_token == [False]  # a disconnect after the response cancels nothing
-
-
 class ServerGone(Exception):
     """What a server's receive() might raise (not an OSError: TimeoutError is one)."""
 
 
-async def test_watcher_receive_error_does_not_strand_a_parked_app_receive() -> None:
-    fail = anyio.Event()
+@pytest.mark.parametrize("server", ["raises", "repeats-empty-requests"])
+async def test_the_watcher_giving_up_does_not_strand_a_parked_app_receive(server: str) -> None:
+    """The watcher stops at a server receive() that raises (the app meets the same error on
+    its own receive: the comment in watch()) or that answers every call after the body with an
+    empty http.request; an app receive() parked behind it is woken and reads itself."""
     calls = 0
 
     async def receive() -> Message:
         nonlocal calls
         calls += 1
-        if calls == 1:
-            return REQUEST_DONE
-        await fail.wait()
-        raise ServerGone("connection reset")
+        if calls > 1 and server == "raises":
+            await anyio.sleep(max(0.0, fails_at - anyio.current_time()))  # the app parks
+            raise ServerGone("connection reset")
+        if calls > 1:
+            await anyio.sleep(0.002)
+        return dict(REQUEST_DONE)
 
     got: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
-        await anyio.sleep(0.01)  # the watcher now holds the server's receive
+        await anyio.sleep(0.005)  # the watcher now holds the server's receive
         try:
-            await receive()  # parks behind the watcher (`reading` is set)
+            got.append((await receive())["type"])  # parks behind the watcher
         except ServerGone as exc:
             got.append(str(exc))
             raise
-
-    async def serve() -> None:
-        with pytest.raises(ServerGone, match="connection reset"):
-            await CancelOnDisconnectMiddleware(app)(http_scope(), receive, noop_send)
-
-    with anyio.fail_after(1.0):
-        async with anyio.create_task_group() as group:
-            group.start_soon(serve)
-            await until(lambda: calls == 2)
-            await anyio.sleep(0.01)
-            fail.set()
-    # "The app will meet the same error on its own receive" (the comment in watch()).
-    assert got == ["connection reset"]
-
-
-async def test_watcher_giving_up_on_extra_requests_does_not_strand_a_parked_app() -> None:
-    calls = 0
-
-    async def receive() -> Message:
-        """A server that answers every call after the body with an empty http.request."""
-        nonlocal calls
-        calls += 1
-        if calls > 1:
-            await anyio.sleep(0.002)
-        return dict(REQUEST_DONE)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        await anyio.sleep(0.003)  # the watcher started and holds the server's receive
-        message = await receive()  # parks; the watcher then gives up without waking it
-        assert message["type"] == "http.request"
         await respond(send)
 
-    with anyio.fail_after(1.0):
-        await CancelOnDisconnectMiddleware(app)(http_scope(), receive, noop_send)
+    fails_at = anyio.current_time() + 0.02
+    middleware = CancelOnDisconnectMiddleware(app, watch_delay=0)
+    with anyio.fail_after(1.0), pytest.raises(ServerGone) if server == "raises" else nullcontext():
+        await middleware(http_scope(), receive, noop_send)
+    assert got == (["connection reset"] if server == "raises" else ["http.request"])
 
 
 # -- 4. when a disconnect cancels ---------------------------------------------------------------
@@ -432,13 +385,22 @@ async def test_trailers_keep_the_response_open_until_the_last_trailer(when: str)
     assert events == (["cancelled"] if when == "before-trailers" else ["done"])
 
 
-async def test_listener_pending_after_the_response_is_not_cancelled() -> None:
-    """A receive() still pending after the final send: the post-response disconnect is normal."""
-    events: list[str] = []
+async def test_receive_after_the_response_gets_the_disconnect_and_cancels_nothing() -> None:
+    """Every h1 server sends http.disconnect after the response: a receive() pending across
+    the final send, and one from a task that outlives the request (it must not block:
+    hypercorn delivers the disconnect once), both get it; nothing is cancelled."""
+    seen: list[str] = []
     received: list[Message] = []
+
+    async def receive_later(receive: Receive) -> None:
+        await anyio.sleep(0.1)  # the request is over by now
+        with anyio.fail_after(1):
+            message = await receive()
+        seen.append(f"late {message['type']}, cancelled={current_token().cancelled}")
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
+        server.start_soon(receive_later, receive)  # in the server's task group: outlives it
         async with anyio.create_task_group() as group:
             group.start_soon(receive_into, received, receive)
             await anyio.sleep(0.01)
@@ -446,13 +408,17 @@ async def test_listener_pending_after_the_response_is_not_cancelled() -> None:
         try:
             await anyio.sleep(0.05)  # post-response work
         except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
+            seen.append("cancelled")
             raise
-        events.append(f"{received[0]['type']}, token cancelled={current_token().cancelled}")
+        seen.append(f"pending {received[0]['type']}, cancelled={current_token().cancelled}")
 
-    conn = ClientConnection()
-    await with_watchdog(conn.run(CancelOnDisconnectMiddleware(app, grace=0.01)))
-    assert events == ["http.disconnect, token cancelled=False"]
+    conn = ClientConnection(after_disconnect="block")
+    async with anyio.create_task_group() as server:
+        await with_watchdog(conn.run(CancelOnDisconnectMiddleware(app, grace=0.01)))
+    assert seen == [
+        "pending http.disconnect, cancelled=False",
+        "late http.disconnect, cancelled=False",
+    ]
 
 
 # The disconnect while the server's send of the final response message is in flight: hypercorn

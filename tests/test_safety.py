@@ -161,52 +161,7 @@ async def test_fastapi_yield_dependency_torn_down_after_the_thread(endpoint_kind
     assert events == ["endpoint started", "endpoint returned", "session closed"]
 
 
-# -- 10. apps that cancel their own work --------------------------------------------------------
-def self_cancelling_app(events: list[str], shape: str) -> ASGIApp:
-    """Django's shape (cancel the handler task, await it) or Quart's (cancel, gather)."""
-
-    async def handler() -> None:
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            events.append("handler cancelled")
-            await asyncio.sleep(CLEANUP)  # cleanup that awaits, longer than `grace`
-            events.append("cleanup done")
-            raise
-
-    async def listen(receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        handler_task = asyncio.create_task(handler())
-        listener = asyncio.create_task(listen(receive))
-        await asyncio.wait([handler_task, listener], return_when=asyncio.FIRST_COMPLETED)
-        handler_task.cancel()
-        if shape == "django":
-            try:
-                await handler_task
-            except asyncio.CancelledError:
-                pass
-        else:
-            await asyncio.gather(handler_task, listener, return_exceptions=True)
-        events.append("app finished")
-
-    return app
-
-
-@needs_cancelling
-@pytest.mark.asyncio_only(reason="Django's and Quart's shapes are asyncio tasks")
-@pytest.mark.parametrize("shape", ["django", "quart"])
-async def test_app_cancelling_its_own_handler_gets_no_second_cancellation(shape: str) -> None:
-    events: list[str] = []
-    await leave(CancelOnDisconnectMiddleware(self_cancelling_app(events, shape), grace=0.02))
-    # The 0.3 s cleanup outlived the 0.02 s grace and completed; the middleware returned
-    # only after the app had finished.
-    assert events == ["handler cancelled", "cleanup done", "app finished"]
-
-
+# -- 10. apps that cancel their own work (Django's and Quart's shapes: test_asyncio.py) ---------
 @needs_cancelling
 async def test_task_group_listener_with_shielded_cleanup_is_left_to_finish(
     anyio_backend: str, request: pytest.FixtureRequest

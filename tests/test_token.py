@@ -250,7 +250,19 @@ async def test_token_made_on_first_use_is_one_token_across_threads() -> None:
 
 
 # -- 8. shield() and detach() -------------------------------------------------------------------
-async def test_shield_defers_cancellation_but_token_reports_at_once() -> None:
+@pytest.mark.parametrize("then", ["awaits", "shields-again"])
+async def test_shield_defers_cancellation_but_token_reports_at_once(
+    then: str, anyio_backend: str, request: pytest.FixtureRequest
+) -> None:
+    request.applymarker(
+        pytest.mark.xfail(
+            anyio_backend == "asyncio" and then == "shields-again",
+            strict=True,
+            reason="bug (asyncio): the cancellation deferred to a shield()'s exit is issued a "
+            "loop iteration later without looking at the token again (cancel_app_soon), so it "
+            "lands in a shield() entered right after",
+        )
+    )
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -261,13 +273,23 @@ async def test_shield_defers_cancellation_but_token_reports_at_once() -> None:
                 events.append(f"in shield, reason={token.reason}")
                 await anyio.sleep(0.02)
                 events.append("critical section done")
+            if then == "shields-again":
+                with shield():
+                    await anyio.sleep(0.01)
+                    events.append("second critical section done")
             await anyio.sleep(30)
         except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
 
     await leave(CancelOnDisconnectMiddleware(app))
-    assert events == ["in shield, reason=client disconnected", "critical section done", "cancelled"]
+    second = ["second critical section done"] if then == "shields-again" else []
+    assert events == [
+        "in shield, reason=client disconnected",
+        "critical section done",
+        *second,
+        "cancelled",
+    ]
 
 
 async def test_detached_handler_runs_to_the_end_while_its_token_reports_the_disconnect() -> None:

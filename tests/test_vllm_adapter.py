@@ -97,33 +97,43 @@ async def serve(
     return conn
 
 
-@pytest.mark.parametrize("abort_delay", [0.0, 0.05], ids=["fast-abort", "slow-abort"])
+@pytest.mark.parametrize(
+    ("abort_delay", "ids"),
+    [(0.0, ("req-1",)), (0.05, ("req-1",)), (0.0, ("multi-0", "multi-1", "multi-2"))],
+    ids=["fast-abort", "slow-abort", "several-prompts"],
+)
 async def test_abort_fires_at_the_disconnect_and_completes_before_the_request_ends(
-    abort_delay: float,
+    abort_delay: float, ids: tuple[str, ...]
 ) -> None:
-    """The abort starts from the disconnect itself, before the app is cancelled; a slow one
-    still completes (the app task is cancelled meanwhile) before the middleware returns."""
+    """The abort starts from the disconnect itself, before the app is cancelled, one call for
+    every id (several prompts of one HTTP request, merged); a slow one still completes (the
+    app task is cancelled meanwhile) before the middleware returns."""
     engine = FakeEngine(abort_delay=abort_delay)
     started = asyncio.Event()
 
+    async def consume(request_id: str) -> None:
+        async for _ in engine.generate("hi", None, request_id):
+            started.set()
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
-        async with abort_on_cancel(_typed(engine), "req-1"):
+        async with abort_on_cancel(_typed(engine), *ids):
             try:
-                async for _ in engine.generate("hi", None, "req-1"):
-                    started.set()
+                await asyncio.gather(*(consume(request_id) for request_id in ids))
             except asyncio.CancelledError:
                 engine.events.append("app cancelled")
                 raise
 
     conn = await serve(app, leave_when=lambda conn: started.is_set())
     engine.events.append("request ended")
-    assert engine.abort_calls == [["req-1"]]
+    assert engine.abort_calls == [list(ids)]
+    assert engine.running == set()
+    abort, done = "abort " + ",".join(ids), "abort done"
     if abort_delay:
-        assert engine.events == ["abort req-1", "app cancelled", "abort done", "request ended"]
+        assert engine.events == [abort, "app cancelled", done, "request ended"]
     else:
-        assert engine.events == ["abort req-1", "abort done", "app cancelled", "request ended"]
-        assert engine.aborted == {"req-1"}  # it was still running when the abort reached it
+        assert engine.events == [abort, done, "app cancelled", "request ended"]
+        assert engine.aborted == set(ids)  # they were still running when the abort came
     assert conn.sent == []  # the client is gone
 
 
@@ -149,26 +159,6 @@ async def test_completed_request_is_never_aborted(use_helper: bool) -> None:
         "http.response.start",
         "http.response.body",
     ]
-
-
-async def test_request_ids_are_aborted_in_one_call() -> None:
-    """Several prompts of one HTTP request, merged: one abort with every id."""
-    engine = FakeEngine()
-    started = asyncio.Event()
-    ids = ("multi-0", "multi-1", "multi-2")
-
-    async def consume(request_id: str) -> None:
-        async for _ in engine.generate("hi", None, request_id):
-            started.set()
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        async with abort_on_cancel(_typed(engine), *ids):
-            await asyncio.gather(*(consume(request_id) for request_id in ids))
-
-    await serve(app, leave_when=lambda conn: started.is_set())
-    assert engine.abort_calls == [list(ids)]
-    assert engine.running == set()
 
 
 @pytest.mark.parametrize("adapter", [True, False], ids=["adapter", "no-adapter"])
