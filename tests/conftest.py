@@ -1,12 +1,6 @@
-"""One event-loop parametrisation for the suite: every anyio test runs on asyncio and on trio.
-
-A test that is asyncio code by nature (it tests `_asyncio.py`, `Task.uncancel()`, asyncio's
-own threads, a library that is asyncio only) says so, and why:
-
-    @pytest.mark.asyncio_only(reason="Task.uncancel() is asyncio's")
-
-A test that parametrises `anyio_backend` itself is left as it says.
-"""
+"""One event-loop parametrisation: every anyio test runs on asyncio and on trio. A test that
+is asyncio code by nature says so, and why: `@pytest.mark.asyncio_only(reason="...")`; one that
+parametrises `anyio_backend` itself is left as it says."""
 
 from __future__ import annotations
 

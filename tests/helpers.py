@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
+import pytest
 import sniffio
 
 from asgi_cancel import current_token
@@ -74,25 +75,6 @@ def slow_app(
         if not stream:
             await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
-
-    return app
-
-
-def streaming_app(events: list[str], *, chunks: int = 1000, interval: float = 0.005) -> ASGIApp:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        try:
-            for index in range(chunks):
-                await send(
-                    {"type": "http.response.body", "body": b"%d\n" % index, "more_body": True}
-                )
-                await anyio.sleep(interval)
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
-        await send({"type": "http.response.body", "body": b""})
-        events.append("finished")
 
     return app
 
@@ -228,6 +210,12 @@ def cleanup_scope() -> anyio.CancelScope:
     level-triggered; not on asyncio, where it is one `Task.cancel()` and the cleanup must not
     be cancelled again."""
     return anyio.CancelScope(shield=sniffio.current_async_library() == "trio")
+
+
+def xfail_on(loop: str, request: pytest.FixtureRequest, when: bool = True, *, reason: str) -> None:
+    """A strict xfail for this test on one loop (`when` narrows it to some of its parameters)."""
+    on_loop = request.node.callspec.params["anyio_backend"] == loop
+    request.applymarker(pytest.mark.xfail(on_loop and when, strict=True, reason=reason))
 
 
 def tasks_alive() -> int:

@@ -7,6 +7,7 @@ finished cycle lets go. Odd message orders come from hand-written servers.
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from contextlib import nullcontext
 from typing import Any
@@ -172,7 +173,7 @@ async def test_extra_empty_request_after_body_is_ignored() -> None:
     assert received == [{"type": "http.request", "body": b"abc", "more_body": False}, DISCONNECT]
 
 
-@pytest.mark.parametrize("read_ahead", [0, 64 * 1024], ids=["app-reads", "watcher-reads"])
+@pytest.mark.parametrize("read_ahead", [0, 64 * 1024], ids=["no-read-ahead", "read-ahead"])
 async def test_disconnect_mid_body_cancels_the_body_reader_without_error_or_loss(
     read_ahead: int,
 ) -> None:
@@ -196,17 +197,6 @@ async def test_disconnect_mid_body_cancels_the_body_reader_without_error_or_loss
     assert got == [{"type": "http.request", "body": b, "more_body": True} for b in (b"1", b"2")]
     assert events == ["cancelled"]
     assert conn.sent == []
-
-
-async def test_disconnect_queued_before_the_app_starts() -> None:
-    """Body and disconnect are both waiting before the first receive(): no send, no error."""
-    events: list[str] = []
-    server = QueueServer({"type": "http.request", "body": b"abc", "more_body": False}, DISCONNECT)
-    middleware = CancelOnDisconnectMiddleware(slow_app(events, read=False))
-    await with_watchdog(middleware(http_scope("POST"), server.receive, server.send))
-    assert events == ["cancelled"]
-    assert server.sent == CANCELLED_RESPONSE  # for an outer middleware; a server drops it
-    assert server.receive_calls == 2  # body (buffered) then the disconnect; never again
 
 
 async def test_body_reader_woken_with_the_last_chunk_is_not_taken_for_a_listener() -> None:
@@ -329,30 +319,34 @@ async def test_the_watcher_giving_up_does_not_strand_a_parked_app_receive(server
 
 
 # -- 4. when a disconnect cancels ---------------------------------------------------------------
-async def test_disconnect_cancels_the_app_at_once_and_completes_a_499() -> None:
-    """The app does not listen: it is cancelled at the disconnect, not after a listener's grace;
-    the server's receive is never called again (hypercorn would block), and the middleware
-    completes the response for outer middlewares (HTTP/1.1: start and an empty final body,
-    both dropped by a server whose client left)."""
+@pytest.mark.parametrize(
+    ("queued", "read", "read_ahead"),
+    [(False, True, 65536), (True, False, 65536), (False, False, 0)],
+    ids=["while-it-runs", "before-it-starts", "never-read-without-read-ahead"],
+)
+async def test_disconnect_cancels_the_app_at_once_and_completes_a_499(
+    queued: bool, read: bool, read_ahead: int
+) -> None:
+    """The app does not listen: it is cancelled at the disconnect, not after a listener's grace
+    (also when the body, never read, and the disconnect wait before it starts, or with no
+    read-ahead for a body the app never reads); the server's receive is never called again
+    (hypercorn would block), and the middleware completes the response for outer middlewares
+    (HTTP/1.1: start and an empty final body, both dropped by a server whose client left)."""
     events: list[str] = []
-    server = QueueServer(REQUEST_DONE)
-    middleware = CancelOnDisconnectMiddleware(slow_app(events), grace=30)
-    async with serving(middleware, http_scope(), server.receive, server.send):
-        await until(lambda: server.receive_calls == 2)  # body, then waiting for the disconnect
+    server = QueueServer({"type": "http.request", "body": b"abc", "more_body": False})
+    if queued:
         server.disconnect()
+    app = slow_app(events, read=read)
+    middleware = CancelOnDisconnectMiddleware(app, grace=30, read_ahead=read_ahead)
+    async with serving(middleware, http_scope("POST"), server.receive, server.send):
+        await until(lambda: server.receive_calls == 2)  # the body, then the disconnect's
+        if not queued:
+            server.disconnect()
         with anyio.fail_after(1.0):
             await until(lambda: "cancelled" in events)
-    assert events == ["body:", "cancelled"]
+    assert events == (["body:abc", "cancelled"] if read else ["cancelled"])
     assert server.receive_calls == 2
     assert server.sent == CANCELLED_RESPONSE
-
-
-async def test_read_ahead_zero_still_cancels_an_app_that_never_reads_the_body() -> None:
-    events: list[str] = []
-    middleware = CancelOnDisconnectMiddleware(slow_app(events, read=False), read_ahead=0)
-    with anyio.fail_after(1.0):
-        await leave(middleware)  # a GET: one empty http.request
-    assert events == ["cancelled"]
 
 
 @pytest.mark.parametrize("when", ["before-trailers", "after-trailers"])
@@ -421,37 +415,17 @@ async def test_receive_after_the_response_gets_the_disconnect_and_cancels_nothin
     ]
 
 
-# The disconnect while the server's send of the final response message is in flight: hypercorn
-# over HTTP/2 never returns that send once the connection closed with data still buffered
-# (tests/servers/test_h2.py has the real case); hypercorn on trio delivers the end-of-response
-# disconnect before its send returns, the normal end.
 GRACE = 0.05
-
-
-class FinalSendInFlight(ClientConnection):
-    """The client leaves while the final body message waits in the server's `send`, which
-    then returns after `returns_after` seconds (None: never, as hypercorn h2)."""
-
-    def __init__(self, returns_after: float | None) -> None:
-        super().__init__(disconnect_after_response=False)
-        self.returns_after = returns_after
-
-    async def send(self, message: Message) -> None:
-        await super().send(message)
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.disconnect()
-            if self.returns_after is None:
-                await anyio.sleep_forever()
-            else:
-                await anyio.sleep(self.returns_after)
 
 
 @pytest.mark.parametrize(
     "returns_after", [None, GRACE / 5, 0], ids=["never-returns", "returns-within-grace", "returns"]
 )
 async def test_disconnect_during_the_final_send(returns_after: float | None) -> None:
-    """A final send that never returns is cancelled `grace` after the disconnect; one that
-    returns is the normal end: nothing is cancelled, work after the response runs to its end."""
+    """A final send that never returns (hypercorn over HTTP/2 once the connection closed with
+    data still buffered: tests/servers/test_h2.py) is cancelled `grace` after the disconnect;
+    one that returns (hypercorn on trio delivers the end-of-response disconnect before its
+    send returns) is the normal end: nothing is cancelled, work after the response runs on."""
     events: list[Any] = []
     reports: list[tuple[str, bool]] = []
 
@@ -473,8 +447,15 @@ async def test_disconnect_during_the_final_send(returns_after: float | None) -> 
             (report["reason"], report["response_started"])
         ),
     )
-    conn = FinalSendInFlight(returns_after)
-    await with_watchdog(conn.run(middleware))
+    conn = ClientConnection(disconnect_after_response=False)
+
+    async def send(message: Message) -> None:  # the client leaves while the final body waits
+        await conn.send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            conn.disconnect()
+            await anyio.sleep(math.inf if returns_after is None else returns_after)
+
+    await with_watchdog(middleware(http_scope(), conn.receive, send))
     assert conn.body == b"done"  # handed to the server (it never reached a client that left)
     if returns_after is None:
         cancelled = anyio.get_cancelled_exc_class().__name__

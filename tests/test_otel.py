@@ -16,7 +16,7 @@ from asgi_cancel.otel import EVENT, TraceCancellations
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import leave, respond, slow_app, streaming_app, with_watchdog
+from .helpers import leave, respond, slow_app, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
@@ -48,12 +48,12 @@ async def test_cancelled_request_span_gets_event_and_attributes(
     exporter: InMemorySpanExporter, stream: bool, phase: str
 ) -> None:
     events: list[str] = []
-    inner = streaming_app(events) if stream else slow_app(events, read=False)
+    inner = slow_app(events, read=False, stream=stream)
     app = traced(CancelOnDisconnectMiddleware(TraceCancellations(inner), watch_delay=0), exporter)
     conn = ClientConnection()
     scope = http_scope("GET", "/v1/x")
     await leave(
-        app, conn, scope, when=lambda: conn.body_chunks >= 2 if stream else conn.receive_calls >= 2
+        app, conn, scope, when=lambda: conn.body_chunks >= 1 if stream else conn.receive_calls >= 2
     )
     (span,) = exporter.get_finished_spans()
     assert [event.name for event in span.events] == [EVENT]

@@ -154,7 +154,8 @@ def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
         assert counted(found, "test_cancelled_requests_total") == expected
         assert counted(found, "test_cancel_cleanup_seconds_count") == expected
         for key, total in counted(found, "test_cancel_cleanup_seconds_sum").items():
-            assert CLEANUP * expected[key] <= total < (CLEANUP + 2) * expected[key], key
+            if key[0] == "client disconnected":  # timed from the disconnect to the app's end
+                assert CLEANUP * expected[key] <= total < (CLEANUP + 2) * expected[key], key
         server.assert_no_traceback()
 
 

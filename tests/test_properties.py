@@ -37,7 +37,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware, current_token, shield
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
-from .helpers import cleanup_scope, leave, tasks_alive
+from .helpers import DISCONNECT, cleanup_scope, leave, tasks_alive
 
 pytestmark = pytest.mark.anyio
 
@@ -169,9 +169,6 @@ def watcher_reads_whole_body(chunks: tuple[bytes, ...], behaviour: Behaviour) ->
 
 
 # -- the server side ----------------------------------------------------------------------------
-DISCONNECT: Message = {"type": "http.disconnect"}
-
-
 @dataclass
 class Record:
     """Everything the server and the app observed, checked after the example."""

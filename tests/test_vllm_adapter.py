@@ -161,43 +161,6 @@ async def test_completed_request_is_never_aborted(use_helper: bool) -> None:
     ]
 
 
-@pytest.mark.parametrize("adapter", [True, False], ids=["adapter", "no-adapter"])
-async def test_generator_iterated_in_another_task(adapter: bool) -> None:
-    """A background producer that nothing cancels: only the adapter stops its request."""
-    engine = FakeEngine()
-    queue: asyncio.Queue[FakeOutput] = asyncio.Queue()
-    producers: list[asyncio.Task[None]] = []
-
-    async def produce() -> None:
-        if adapter:
-            outputs = generate(_typed(engine), "hi", None, "bg-1")
-        else:
-            outputs = engine.generate("hi", None, "bg-1")
-        async for output in outputs:
-            queue.put_nowait(output)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        # Deliberately not cancelled by the app when it is cancelled.
-        producers.append(asyncio.create_task(produce()))
-        while not (await queue.get()).finished:
-            pass
-
-    await serve(app, leave_when=lambda conn: queue.qsize() > 0 or "bg-1" in engine.running)
-    try:
-        if adapter:
-            await asyncio.wait_for(producers[0], WATCHDOG)
-            assert engine.abort_calls == [["bg-1"]]
-            assert engine.running == set()
-        else:
-            await asyncio.sleep(0.05)
-            assert engine.abort_calls == []
-            assert engine.running == {"bg-1"}  # orphaned: still generating for nobody
-    finally:
-        producers[0].cancel()
-        await asyncio.wait(producers)
-
-
 async def test_outside_a_request_it_is_a_pass_through() -> None:
     engine = FakeEngine(max_tokens=3)
     async with abort_on_cancel(_typed(engine), "plain") as token:
@@ -213,41 +176,54 @@ async def test_outside_a_request_it_is_a_pass_through() -> None:
 
 
 @pytest.mark.parametrize(
-    ("admit_delay", "abort_delay", "outputs_before_leaving", "aborts", "most_outputs"),
-    [(0.05, 0.0, 0, 2, 3), (0.0, 0.05, 3, 1, 2000)],
-    ids=["reaching-the-engine-late", "outputs-in-flight-during-the-abort"],
+    ("adapter", "admit_delay", "abort_delay", "leave_after", "aborts"),
+    [
+        (False, 0.0, 0.0, 1, 0),
+        (True, 0.0, 0.0, 1, 1),
+        (True, 0.05, 0.0, 0, 2),
+        (True, 0.0, 0.05, 3, 1),
+    ],
+    ids=["no-adapter", "adapter", "reaching-the-engine-late", "outputs-in-flight-during-the-abort"],
 )
-async def test_generate_in_a_background_task_is_aborted_once(
-    admit_delay: float,
-    abort_delay: float,
-    outputs_before_leaving: int,
-    aborts: int,
-    most_outputs: int,
+async def test_generation_in_a_background_task_is_aborted_once(
+    adapter: bool, admit_delay: float, abort_delay: float, leave_after: int, aborts: int
 ) -> None:
-    """A disconnect while the prompt is still being tokenized: the first abort finds nothing,
-    and the request is aborted at its first output. Outputs that keep coming until the abort
-    has run are no reason for a second abort."""
+    """A background producer that nothing cancels: only the adapter stops its request. A
+    disconnect while the prompt is still being tokenized: the first abort finds nothing, and
+    the request is aborted at its first output. Outputs that keep coming until the abort has
+    run are no reason for a second abort."""
     engine = FakeEngine(admit_delay=admit_delay, abort_delay=abort_delay)
     outputs: list[FakeOutput] = []
     producers: list[asyncio.Task[None]] = []
 
     async def produce() -> None:
-        async for output in generate(_typed(engine), "hi", None, "bg-2"):
+        if adapter:
+            generation = generate(_typed(engine), "hi", None, "bg")
+        else:
+            generation = engine.generate("hi", None, "bg")
+        async for output in generation:
             outputs.append(output)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
-        producers.append(asyncio.create_task(produce()))
+        producers.append(asyncio.create_task(produce()))  # not cancelled with the app
         await asyncio.sleep(30)
 
-    await serve(
-        app, leave_when=lambda conn: bool(producers) and len(outputs) >= outputs_before_leaving
-    )
-    await asyncio.wait_for(producers[0], WATCHDOG)
-    assert engine.abort_calls == [["bg-2"]] * aborts
-    assert outputs[-1].finish_reason == "abort"
-    assert len(outputs) <= most_outputs
-    assert engine.running == set()
+    await serve(app, leave_when=lambda conn: bool(producers) and len(outputs) >= leave_after)
+    try:
+        if not adapter:
+            await asyncio.sleep(0.05)
+            assert engine.abort_calls == []
+            assert engine.running == {"bg"}  # orphaned: still generating for nobody
+            return
+        await asyncio.wait_for(producers[0], WATCHDOG)
+        assert engine.abort_calls == [["bg"]] * aborts
+        assert outputs[-1].finish_reason == "abort"
+        assert len(outputs) <= (3 if admit_delay else 2000)
+        assert engine.running == set()
+    finally:
+        producers[0].cancel()
+        await asyncio.wait(producers)
 
 
 @pytest.mark.parametrize("use_helper", [False, True], ids=["context-manager", "generate-helper"])
