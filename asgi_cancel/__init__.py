@@ -5,6 +5,7 @@ from ._endpoint import require_header as require_header
 from ._middleware import CancelOnDisconnectMiddleware as CancelOnDisconnectMiddleware
 from ._registry import CancelRegistry as CancelRegistry
 from ._token import CancelToken as CancelToken
+from ._token import TokenUsage as TokenUsage
 from ._token import current_token as current_token
 from ._token import detach as detach
 from ._token import shield as shield
@@ -15,6 +16,7 @@ __all__ = (
     "CancelOnDisconnectMiddleware",
     "CancelRegistry",
     "CancelToken",
+    "TokenUsage",
     "cancel_endpoint",
     "current_token",
     "detach",

@@ -21,7 +21,7 @@ from typing import Any
 from ._asyncio_task import in_anyio_shield, reacting, thread_future
 from ._cycle import Cycle, Options, State, logger, new_cycle
 from ._responses import COMPLETION_TIMEOUT, complete_cancelled
-from ._token import TokenSource, bind, run_detached, unbind
+from ._token import current_source, run_detached
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
@@ -87,22 +87,22 @@ class AsyncioDriver:
         if self.tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = self.tracking.begin(cycle)
             if refused is not None:
+                cycle.finished()
                 return refused
             tracked: AsyncioRunner = cycle.ensure_runner()  # type: ignore[assignment]
             tracked.track(self.tracking)
-        reset = bind(cycle)
         coroutine = self.app(scope, cycle.receive, cycle.send)
         steps = coroutine.__await__()
         try:
             step = first_step(steps)
         except BaseException as error:
-            return _rest_of_request(cycle, reset, error=error)
+            return _rest_of_request(cycle, error=error)
         if step is DONE:
             if cycle.cancelled:  # (its response is to be completed)
-                return _rest_of_request(cycle, reset)
+                return _rest_of_request(cycle)
             # Nothing can be left to wait for: a watcher starts only after the first step, a
             # callback's task only once the token fired.
-            end_request(cycle, reset)
+            cycle.finished()
             return None
         # The app's own coroutine rather than its wrapper: one layer less per resumption, and
         # thread_future() walks its await chain.
@@ -111,7 +111,7 @@ class AsyncioDriver:
         cycle.app_awaitable = app
         cycle.started_at = monotonic()
         timer = watch_after(cycle, self.options.watch_delay)
-        return _rest_of_request(cycle, reset, app, step, timer)
+        return _rest_of_request(cycle, app, step, timer)
 
 
 def watch_after(cycle: Cycle, delay: float) -> asyncio.TimerHandle | None:
@@ -132,26 +132,9 @@ def start_watching(cycle: Cycle) -> None:
             runner.watcher = runner.task.get_loop().create_task(cycle.watch())
 
 
-def end_request(
-    cycle: Cycle, reset: contextvars.Token[TokenSource], timer: asyncio.TimerHandle | None = None
-) -> AsyncioRunner | None:
-    """The app has returned (or raised): end the request. Returns its runner if tasks are left
-    to wait for (`wait_for_tasks()`: the watcher, tasks of `on_cancel` callbacks), else None."""
-    if timer is not None:
-        timer.cancel()
-    cycle.finished()
-    unbind(reset)
-    runner: AsyncioRunner | None = cycle.runner  # type: ignore[assignment]
-    if runner is None:
-        return None
-    cycle.runner = None  # (cycle <-> runner: freed by reference counting)
-    return runner if runner.close() else None
-
-
 @types.coroutine
 def _rest_of_request(
     cycle: Cycle,
-    reset: contextvars.Token[TokenSource],
     app: Any = None,
     step: Any = None,
     timer: asyncio.TimerHandle | None = None,
@@ -164,7 +147,8 @@ def _rest_of_request(
     A generator-based coroutine: it goes on with the app itself, with no frame of ours between
     the task and the app once resumed (`yield from`).
     """
-    send = cycle.real_send  # let go by finished(); a cancelled request's end still needs it
+    # Let go by finished(); a cancelled request's end still needs them.
+    receive, send = cycle.real_receive, cycle.real_send
     outside = False
     try:
         if error is not None:
@@ -188,11 +172,23 @@ def _rest_of_request(
             outside = True  # server shutdown, an outer timeout: it goes on
             raise
     finally:
-        runner = end_request(cycle, reset, timer)
-        if runner is not None:
+        if timer is not None:
+            timer.cancel()
+        cycle.app_task = cycle.app_awaitable = None
+        runner: AsyncioRunner | None = cycle.finished()  # type: ignore[assignment]
+        if runner is not None:  # tasks are left: the watcher, an on_cancel callback's
             yield from runner.wait_for_tasks(outside).__await__()
     if cycle.cancelled:
-        yield from _bounded(complete_cancelled(cycle, send)).__await__()
+        yield from _bounded(complete_cancelled(cycle, receive, send)).__await__()
+
+
+def runs_the_request(task: asyncio.Task[Any]) -> bool:
+    """Whether `task` is the current request's own task (the one the middleware cancels), not
+    one the app spawned. Before the app's first yield nothing else of it can run."""
+    cycle = current_source()
+    if not isinstance(cycle, Cycle):
+        return False
+    return cycle.app_task is None or cycle.app_task is task
 
 
 def absorbs_cancellation(cycle: Cycle) -> bool:
@@ -349,9 +345,11 @@ class AsyncioRunner:
 
     def cancel_app_soon(self) -> None:
         # From inside the app (a shield() exit): if the app then returns without awaiting, a
-        # cancel issued now would land in the server's code instead. One hop lets FINISHED win.
+        # cancel issued now would land in the server's code instead. One hop lets FINISHED win,
+        # and through the token, so that a shield() the app enters meanwhile is honoured.
         if self.cycle.state is not _FINISHED:
-            self.task.get_loop().call_soon(self.cancel_app)
+            # (thread-safe: the block may be sync code in a worker thread)
+            self.task.get_loop().call_soon_threadsafe(self._look_again)
 
     def start_grace(self) -> None:
         self.grace_timer = self.task.get_loop().call_later(

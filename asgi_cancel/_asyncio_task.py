@@ -1,14 +1,35 @@
 """What an asyncio app task is doing when its request is to be cancelled: waiting for a worker
 thread, inside an anyio shield, or already cancelling its own work. Read only after a
-disconnect, from the task's await chain and the modules the app already imported."""
+disconnect, from the task's await chain and the modules the app already imported.
+
+This module reads private internals of asyncio, anyio and asgiref (each named where it is
+read); tests/test_asyncio_task.py checks every one of them on the supported versions, and a
+missing one is logged once as a WARNING here: without it, the request could be unwound around
+a running worker thread, the bug these checks exist to prevent.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from typing import Any
 
 from ._token import TokenSource, source_in
+
+logger = logging.getLogger("asgi_cancel")
+_warned: set[str] = set()
+
+
+def _missing(internal: str) -> None:
+    if internal not in _warned:
+        _warned.add(internal)
+        logger.warning(
+            "asgi_cancel: %s is not where this version expects it; requests waiting for a "
+            "worker thread may be cancelled around it (please report the versions in use)",
+            internal,
+        )
+
 
 _HAS_UNCANCEL = sys.version_info >= (3, 11)
 
@@ -38,11 +59,16 @@ def thread_future(task: asyncio.Task[Any], app_awaitable: Any) -> Any:
         code = getattr(awaitable, "cr_code", None)
         if code is not None and code is anyio_code:
             local = awaitable.cr_frame.f_locals
+            if "future" not in local and "scope" in local:
+                _missing("the future in anyio's run_sync_in_worker_thread")
             if local.get("future") is waiter:
                 return waiter, local.get("scope")
             return None
         if code is not None and code is asgiref_code:
-            running = awaitable.cr_frame.f_locals.get("exec_coro")
+            local = awaitable.cr_frame.f_locals
+            if "exec_coro" not in local and "loop" in local:
+                _missing("the exec_coro in asgiref's SyncToAsync.__call__")
+            running = local.get("exec_coro")
             return waiter if running is not None and not running.done() else None
         awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
     return None
@@ -55,15 +81,17 @@ def in_anyio_shield(task: asyncio.Task[Any]) -> bool:
     in one): they are respected as anyio's own cancellation would.
     """
     anyio_asyncio = sys.modules.get("anyio._backends._asyncio")
+    if anyio_asyncio is None:
+        return False
     try:
-        state = anyio_asyncio._task_states.get(task)  # type: ignore[union-attr]
+        state = anyio_asyncio._task_states.get(task)
         scope = state.cancel_scope if state is not None else None
         while scope is not None:
             if scope._shield:
                 return True
             scope = scope._parent_scope
     except (AttributeError, TypeError):  # another anyio version: threads are still covered
-        return False
+        _missing("anyio's _task_states / CancelScope._shield")
     return False
 
 
@@ -75,10 +103,14 @@ def _dispatch_codes() -> tuple[object, object]:
         backend = getattr(anyio_asyncio, "AsyncIOBackend", None)
         method = getattr(backend, "run_sync_in_worker_thread", None)
         anyio_code = getattr(getattr(method, "__func__", method), "__code__", None)
+        if anyio_code is None:
+            _missing("anyio's AsyncIOBackend.run_sync_in_worker_thread")
     asgiref_sync = sys.modules.get("asgiref.sync")
     if asgiref_sync is not None:
         call = vars(getattr(asgiref_sync, "SyncToAsync", object)).get("__call__")
         asgiref_code = getattr(call, "__code__", None)
+        if asgiref_code is None:
+            _missing("asgiref's SyncToAsync.__call__")
     return anyio_code, asgiref_code
 
 

@@ -6,6 +6,7 @@ No event-loop code here: parking, cancelling the app and timers are the `Runner`
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import logging
 import threading
@@ -15,7 +16,8 @@ from time import monotonic
 from typing import Any, Protocol
 
 from ._report import report_cancelled
-from ._token import Canceller, CancelToken
+from ._servers import paused_reading
+from ._token import Canceller, CancelToken, TokenSource, bind, unbind
 from .types import Message, OnCancelled, Receive, Scope, Send
 
 logger = logging.getLogger("asgi_cancel")
@@ -74,6 +76,10 @@ class Runner(Canceller, Protocol):
     async def cancel_body_reader(self) -> None:
         """The app task reads its body after the client left: let its cancellation land."""
 
+    def close(self) -> bool:
+        """The app has returned: stop timers and scopes, leave the registry. Returns whether
+        tasks are left to wait for."""
+
 
 class Cycle:
     """The middleware's view of one HTTP request/response cycle.
@@ -91,11 +97,13 @@ class Cycle:
         "app_waiting",
         "body_complete",
         "body_started",
+        "bound",
         "buffer",
         "buffered",
         "cancelled",
         "disconnect",
         "first_sent",
+        "holding",
         "last_sent",
         "make_runner",
         "options",
@@ -117,6 +125,7 @@ class Cycle:
     status: int  # set by stop(), read only after it
 
     scope: Scope
+    bound: contextvars.Token[TokenSource]  # the cycle is the current request until finished()
     real_receive: Receive
     real_send: Send
     options: Options
@@ -135,6 +144,7 @@ class Cycle:
     body_started: bool  # an http.request message came from the server
     body_complete: bool
     reading: bool  # someone waits in the server's receive()
+    holding: bool  # the watcher waits before its first receive() (`Expect: 100-continue`)
     app_waiting: int  # callers in the app's receive()
     buffer: deque[Message] | None  # read ahead by the watcher, not yet taken by the app
     buffered: int  # body bytes in `buffer`
@@ -216,7 +226,16 @@ class Cycle:
         self.last_sent = message
         real_send = self.real_send
         sending = self.sending = real_send(message)
+        if self.holding:  # the watcher waits for the server to have taken the response start
+            return self._wake_after(sending)
         return sending
+
+    async def _wake_after(self, sending: Awaitable[None]) -> None:
+        try:
+            await sending
+        finally:
+            self.holding = False
+            self.wake()
 
     def wake(self) -> None:
         if self.runner is not None:
@@ -246,14 +265,17 @@ class Cycle:
             return not last.get("more_trailers", False)
         return message_type in _COMPLETING
 
-    def finished(self) -> None:
-        """The app returned: what a late `receive()` or `send()` meets from now on.
+    def finished(self) -> Runner | None:
+        """The app returned (or raised): the request's one end. Returns its runner if tasks
+        are left that the driver must wait for (the watcher, `on_cancel` callbacks' tasks).
 
-        The server's `receive` and `send` are let go: a finished cycle can outlive its request
-        in a context that copied the request's (uvicorn's keep-alive timer is armed inside the
-        final `send`), and through them it held the server's per-request objects in a
-        reference cycle, to be found by the garbage collector. A late call never reaches them
-        (the disconnect is set); the driver keeps `send` for completing a cancelled response.
+        What a late `receive()` or `send()` meets from now on is set, the token is released,
+        the cycle stops being the current request, and the runner's timers are cancelled. The
+        server's `receive` and `send` are let go: a finished cycle can outlive its request in a
+        context that copied the request's (uvicorn's keep-alive timer is armed inside the final
+        `send`), and through them it held the server's per-request objects in a reference
+        cycle, to be found by the garbage collector. A late call never reaches them (the
+        disconnect is set); the driver keeps them for completing a cancelled response.
         """
         self.state = _FINISHED
         token = self._token
@@ -262,7 +284,12 @@ class Cycle:
         if self.disconnect is None:
             self.disconnect = REQUEST_OVER  # a late receive() gets it, a send drops
         self.real_receive = self.real_send = RELEASED
-        self.app_task = self.app_awaitable = None
+        unbind(self.bound)
+        runner = self.runner
+        if runner is None:
+            return None
+        self.runner = None  # (cycle <-> runner: freed by reference counting)
+        return runner if runner.close() else None
 
     # -- the watcher ---------------------------------------------------------------------------
     async def watch(self) -> None:
@@ -279,6 +306,19 @@ class Cycle:
         read_ahead = self.options.read_ahead
         runner = self.ensure_runner()
         extra = 0
+        if self.first_sent is None and not self.body_started and _expects_continue(self.scope):
+            # The server's receive() answers `Expect: 100-continue` (uvicorn, granian, gunicorn):
+            # a call of ours would make the client upload a body the app may refuse. Wait for
+            # the app to ask for it, or for its response to start (the server then sends none).
+            self.holding = True
+            while (
+                self.holding
+                and not (self.body_started or self.reading)
+                and self.disconnect is None
+                and self.state is not _FINISHED
+            ):
+                await runner.park()
+            self.holding = False
         while self.disconnect is None and self.state is not _FINISHED:
             # At least one message is read ahead whatever `read_ahead` says: a request with no
             # body is watched from the start.
@@ -287,6 +327,11 @@ class Cycle:
             ):
                 await runner.park()
                 continue
+            if paused_reading(receive):
+                # uvicorn paused reading for a pipelined request: a receive() would resume it.
+                # Its own calls are the app's, as without the middleware.
+                logger.debug("asgi_cancel: the server paused reading; not watching")
+                return
             self.reading = True
             try:
                 message = await receive()
@@ -420,7 +465,8 @@ def new_cycle(
     options: Options,
     make_runner: Callable[[Cycle], Runner],
 ) -> Cycle:
-    """A new `Cycle`: its constructor, as a plain function (no `__init__`: a Python
+    """A new `Cycle`, made the current request (`current_token()` finds it) in the caller's
+    context, the request's: its constructor, as a plain function (no `__init__`: a Python
     `__init__` called by the type is a noticeable share of what a request that never waits
     costs; `benchmarks.instructions` measures it). `started_at` and `status` are set by what
     reads them (`ensure_runner()`, `stop()`)."""
@@ -442,10 +488,21 @@ def new_cycle(
     cycle.body_started = False
     cycle.body_complete = False
     cycle.reading = False
+    cycle.holding = False
     cycle.app_waiting = 0
     cycle.buffer = None
     cycle.buffered = 0
+    cycle.bound = bind(cycle)
     return cycle
+
+
+def _expects_continue(scope: Scope) -> bool:
+    """Whether the client waits for `100 Continue` before it sends its body (read only when a
+    watcher starts)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"expect":
+            return bytes(value).strip().lower() == b"100-continue"
+    return False
 
 
 def _announces_body(scope: Scope) -> bool:

@@ -1,4 +1,5 @@
-"""`CancelRegistry`: find a running request by its id and cancel it, from any thread."""
+"""`CancelRegistry`: find a running request by its id and cancel it, from any thread, and
+(with a `Broker`) from any process."""
 
 from __future__ import annotations
 
@@ -8,9 +9,17 @@ import re
 import sys
 import threading
 from collections.abc import Callable
+from time import monotonic
 from typing import Protocol
 
-__all__ = ["CANCELLED", "CANCELLED_STATUS", "CancelRegistry", "Stoppable", "header_name"]
+__all__ = [
+    "CANCELLED",
+    "CANCELLED_STATUS",
+    "Broker",
+    "CancelRegistry",
+    "Stoppable",
+    "header_name",
+]
 
 CANCELLED = "cancelled by id"
 # gRPC's CANCELLED maps to 499 in Google's HTTP mapping (google.rpc.Code), nginx logs 499 for a
@@ -18,6 +27,8 @@ CANCELLED = "cancelled by id"
 CANCELLED_STATUS = 499
 # How long a cancel waits for another thread's event loop to run the stop.
 THREAD_TIMEOUT = 10.0
+# Cancels of ids that no request held, remembered at most (the oldest are forgotten first).
+MAX_REMEMBERED = 10_000
 # RFC 9110's token: what a header name may be made of.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
 
@@ -41,6 +52,23 @@ class Stoppable(Protocol):
 _Entry = tuple[Callable[[Callable[[], object]], object], int]
 
 
+class Broker(Protocol):
+    """What carries cancels by id between the processes of a deployment (`RedisBroker`)."""
+
+    def bind(self, registry: CancelRegistry) -> None:
+        """Serve `registry`: deliver the cancels other processes send to it
+        (`registry.stop_here()`), from the first use in an event loop on."""
+
+    def start_soon(self) -> None:
+        """Called on the registry's first use in an event loop: start listening there."""
+
+    async def cancel_elsewhere(self, request_id: str, reason: str) -> bool:
+        """Ask every other process to cancel `request_id`; whether one held it. Bounded."""
+
+    def cancel_elsewhere_soon(self, request_id: str, reason: str) -> None:
+        """The same, without waiting for the answers (from sync code)."""
+
+
 class CancelRegistry:
     """The running requests of one process, by id, for cancelling one that is no longer wanted.
 
@@ -56,17 +84,45 @@ class CancelRegistry:
     is not called. Two requests that arrive with the same id are both registered: an id names
     what the caller wants stopped, and a gateway that retried keeps one id for both attempts.
 
+    A cancel that arrives before its request (a gateway that cancels at once, while the
+    request is still on its way) is remembered for `remember` seconds: requests with that id
+    that start meanwhile are answered 499 and their app never runs.
+
     Args:
         header: the request header that carries a caller's id.
+        broker: carries cancels to the other processes of the deployment and theirs here
+            (`asgi_cancel.redis.RedisBroker`); None: this process only. Registration stays
+            local either way: a request that is not cancelled costs no network round trip.
+        remember: seconds a cancel of an id that no request held is remembered (0: never).
 
     Raises:
-        ValueError: `header` is not a header name.
+        ValueError: `header` is not a header name, or `remember` is not a number of seconds.
     """
 
-    def __init__(self, *, header: str = "x-request-id") -> None:
+    def __init__(
+        self,
+        *,
+        header: str = "x-request-id",
+        broker: Broker | None = None,
+        remember: float = 2.0,
+    ) -> None:
         self.header = header_name("header", header).decode("ascii")
+        if (
+            isinstance(remember, bool)
+            or not isinstance(remember, (int, float))
+            or not 0 <= remember < float("inf")
+        ):
+            raise ValueError(f"remember must be a finite number of seconds >= 0, got {remember!r}")
+        self.remember = float(remember)
         self._requests: dict[str, dict[Stoppable, _Entry]] = {}
         self._lock = threading.Lock()
+        self._remembered: dict[str, float] = {}  # id -> when it is forgotten
+        self.broker = broker
+        self._broker_idle = broker is not None  # not yet started in an event loop
+        if broker is not None:
+            broker.bind(self)
+            if asyncio.events._get_running_loop() is not None:
+                self.started()  # made inside the loop (uvicorn imports the app there)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -80,15 +136,17 @@ class CancelRegistry:
         Safe from any thread. A request running on another thread's event loop has its stop
         handed to that loop; from a thread that runs no event loop, this call waits for it
         (at most 10 seconds). It never blocks an event loop: called on one, it does not wait,
-        and a stop handed to another loop counts as cancelled. In async code, prefer
-        `await registry.acancel(...)`, which waits without blocking.
+        and a stop handed to another loop counts as cancelled. With a broker, the other
+        processes are asked too, without waiting for their answers: in async code, prefer
+        `await registry.acancel(...)`, which waits for them and for other loops without
+        blocking.
 
         Args:
             request_id: the id, as `current_token().request_id` reports it.
             reason: what the token's `reason` reports.
 
         Returns:
-            True if a request was cancelled; False for an unknown id, a request that has
+            True if a request was cancelled here; False for an unknown id, a request that has
             finished or completed its response, or one that was cancelled already.
 
         Raises:
@@ -96,18 +154,38 @@ class CancelRegistry:
                 did not run the stop within 10 seconds (a blocked loop).
         """
         stopped, handed = self._stop_here(request_id, reason)
-        if not handed:
-            return stopped
-        if _on_event_loop():
-            return True
-        for future in handed:
-            stopped = future.result(THREAD_TIMEOUT) or stopped
+        if handed:
+            if _on_event_loop():
+                stopped = True
+            else:
+                for future in handed:
+                    stopped = future.result(THREAD_TIMEOUT) or stopped
+        if self.broker is not None:
+            self.broker.cancel_elsewhere_soon(request_id, reason)
+        if not stopped:
+            self.remember_cancel(request_id)
         return stopped
 
     async def acancel(self, request_id: str, reason: str = CANCELLED) -> bool:
         """`cancel()` for async code: waits for other threads' event loops without blocking
         its own (at most 10 seconds; a stop still pending then counts as cancelled: it runs
-        when that loop is free). What `cancel_endpoint` uses."""
+        when that loop is free), and with a broker for the other processes' answers (at most
+        its `wait`). True if any of them held the request. What `cancel_endpoint` uses."""
+        self.started()
+        stopped = await self.stop_here(request_id, reason)
+        if self.broker is not None:
+            if stopped:  # held here: the others are still told (a retry may run there too)
+                self.broker.cancel_elsewhere_soon(request_id, reason)
+            else:
+                stopped = await self.broker.cancel_elsewhere(request_id, reason)
+        if not stopped:
+            self.remember_cancel(request_id)
+        return stopped
+
+    async def stop_here(self, request_id: str, reason: str) -> bool:
+        """Cancel the request(s) with this id that run in this process, waiting for other
+        threads' event loops without blocking this one. What a broker calls for a cancel from
+        another process."""
         stopped, handed = self._stop_here(request_id, reason)
         if not handed:
             return stopped
@@ -123,6 +201,36 @@ class CancelRegistry:
             concurrent.futures.wait, handed, THREAD_TIMEOUT
         )
         return stopped or bool(pending_set) or any(future.result() for future in done_set)
+
+    def remember_cancel(self, request_id: str) -> None:
+        """Remember a cancel of an id no request held, for `remember` seconds."""
+        if not self.remember:
+            return
+        now = monotonic()
+        with self._lock:
+            remembered = self._remembered
+            for old in list(remembered)[:64]:  # forget the expired ones, oldest first
+                if remembered[old] > now:
+                    break
+                del remembered[old]
+            remembered.pop(request_id, None)
+            remembered[request_id] = now + self.remember
+            while len(remembered) > MAX_REMEMBERED:
+                del remembered[next(iter(remembered))]
+
+    def cancelled_before_it_came(self, request_id: str) -> bool:
+        """Whether a cancel of `request_id` came within the last `remember` seconds, before any
+        request with that id (the middleware then answers 499 without running the app)."""
+        if not self._remembered:
+            return False
+        forget_at = self._remembered.get(request_id)
+        return forget_at is not None and forget_at > monotonic()
+
+    def started(self) -> None:
+        """The registry is used in an event loop: start its broker there (once)."""
+        if self._broker_idle and self.broker is not None:
+            self._broker_idle = False
+            self.broker.start_soon()
 
     def _stop_here(
         self, request_id: str, reason: str
@@ -161,6 +269,8 @@ class CancelRegistry:
         call_soon_threadsafe: Callable[[Callable[[], object]], object],
     ) -> None:
         """Make a running request findable (called in its event loop)."""
+        if self._broker_idle:
+            self.started()
         entry = (call_soon_threadsafe, threading.get_ident())
         with self._lock:
             entries = self._requests.get(request_id)

@@ -7,6 +7,8 @@ request that is not cancelled.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 from typing import Any
 
@@ -70,9 +72,16 @@ def report_cancelled(
     `status` is what the request's client gets: 499 after a disconnect (as nginx logs it), the
     status of a stopped request, or None for a stopped request whose response had started
     (its stream is cut).
-    A hook that returns a callable has it called once the request is over (the app returned
-    after its cleanup): how `asgi_cancel.prometheus` times the cleanup.
+    A hook that accepts `usage=` is given the request's `TokenUsage`, live: a binding that
+    counts an engine's outputs (`asgi_cancel.vllm`) keeps filling it in until the request is
+    over. A hook that returns a callable has it called once the request is over (the app
+    returned after its cleanup): how `asgi_cancel.prometheus` times the cleanup and reads the
+    final token counts.
     """
+    # Tokens an engine spends on it from now on are counted against this start (`add_usage`
+    # makes the record, cancelled, at 0), and reported once the request is over.
+    token.add_usage()
+    token.on_finished(lambda: _log_usage(scope, token, reason))
     if logger.isEnabledFor(logging.INFO):
         method = escaped(scope.get("method", "?"))
         path = escaped(scope.get("path", "?"))
@@ -103,11 +112,66 @@ def report_cancelled(
     if on_cancelled is None:
         return
     try:
-        done = on_cancelled(
-            scope, reason=reason, elapsed=elapsed, response_started=response_started
-        )
+        if _takes_usage(on_cancelled):
+            done = on_cancelled(
+                scope,
+                reason=reason,
+                elapsed=elapsed,
+                response_started=response_started,
+                usage=token.usage,
+            )
+        else:
+            done = on_cancelled(
+                scope, reason=reason, elapsed=elapsed, response_started=response_started
+            )
     except (Exception, asyncio.CancelledError):
         logger.exception("asgi_cancel: on_cancelled hook raised")
         return
     if callable(done):
         token.on_finished(done)
+
+
+def _takes_usage(hook: OnCancelled) -> bool:
+    """Whether the hook accepts `usage=` (a keyword of its own, or **kwargs)."""
+    try:
+        return _signature_takes_usage(hook)
+    except TypeError:  # unhashable: not cached
+        return _signature_takes_usage.__wrapped__(hook)
+
+
+@functools.lru_cache(maxsize=64)
+def _signature_takes_usage(hook: OnCancelled) -> bool:
+    try:
+        parameters = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "usage" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _log_usage(scope: Scope, token: CancelToken, reason: str) -> None:
+    """Once a cancelled request is over: what the engine spent on it, if a binding counted."""
+    usage = token.usage
+    if usage is None or not (usage.prompt_tokens or usage.completion_tokens):
+        return
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    fields = {
+        "method": escaped(scope.get("method", "?")),
+        "path": escaped(scope.get("path", "?")),
+        "reason": escaped(reason),
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "completion_tokens_after_cancel": usage.after_cancel,
+        "request_id": None if token.request_id is None else escaped(token.request_id),
+    }
+    logger.info(
+        "%s %s cancelled (%s) after %d prompt and %d completion tokens, %d of them after the "
+        "cancellation",
+        fields["method"],
+        fields["path"],
+        fields["reason"],
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.after_cancel,
+        extra={"asgi_cancel": fields},
+    )

@@ -11,7 +11,8 @@ import json
 import logging
 
 from ._cycle import STOPPED, Cycle
-from .types import Message, Scope, Send
+from ._servers import abort
+from .types import Message, Receive, Scope, Send
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -58,14 +59,14 @@ async def send_cancelled_response(scope: Scope, send: Send) -> None:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def complete_cancelled(cycle: Cycle, send: Send) -> None:
+async def complete_cancelled(cycle: Cycle, receive: Receive, send: Send) -> None:
     """The app of a cancelled request has ended: complete what the server still waits for.
 
     After a disconnect, a 499 if no response started (`send_cancelled_response`). After
     `stop()` with the client still connected: `cycle.status` with a JSON body if no response
-    started, else the end of the started response (a final empty body; trailers if announced).
-    A server may refuse a send to a closed connection (ASGI lets it raise OSError): logged at
-    DEBUG, never raised.
+    started; a response whose body was complete gets its end (trailers if announced); a body
+    cut short is made recognisable as cut (`_cut`). A server may refuse a send to a closed
+    connection (ASGI lets it raise OSError): logged at DEBUG, never raised.
     """
     try:
         if cycle.disconnect is not STOPPED:  # the client left (possibly after a stop)
@@ -75,9 +76,44 @@ async def complete_cancelled(cycle: Cycle, send: Send) -> None:
         if cycle.first_sent is None:
             await refuse(send, cycle.status, cycle.token.reason or "cancelled")
             return
+        if not _body_complete(cycle.last_sent) and await _cut(cycle, receive, send):
+            return
         await _end_started_response(cycle, send)
     except Exception:
         logger.debug("asgi_cancel: completing a cancelled request failed", exc_info=True)
+
+
+def _body_complete(last: Message | None) -> bool:
+    if last is None:
+        return False
+    if last["type"] == "http.response.body":
+        return not last.get("more_body", False)
+    return bool(last["type"] == "http.response.trailers")
+
+
+async def _cut(cycle: Cycle, receive: Receive, send: Send) -> bool:
+    """End a body cut short so that the client can tell; returns True if nothing more is to
+    be sent. An event stream gets an SSE `error` event (the openai client raises `APIError`,
+    an `EventSource` page gets an `error` event) and then a clean end; any other body, a
+    connection the server closes quietly (`_servers.abort`): httpx raises
+    `RemoteProtocolError`, curl exits 18, a browser's fetch rejects. Where the server is not
+    recognised, or over HTTP/2, the body is ended cleanly: the cut is only in our log line."""
+    assert cycle.first_sent is not None
+    if _is_event_stream(cycle.first_sent):
+        reason = cycle.token.reason or "cancelled"
+        error = {"message": reason, "type": reason.replace(" ", "_"), "code": cycle.status}
+        event = b"event: error\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        return False
+    aborted: bool = await abort(cycle.scope, receive, send)
+    return aborted
+
+
+def _is_event_stream(start: Message) -> bool:
+    for name, value in start.get("headers", ()):
+        if name.lower() == b"content-type":
+            return bytes(value).lower().startswith(b"text/event-stream")
+    return False
 
 
 async def _end_started_response(cycle: Cycle, send: Send) -> None:

@@ -12,12 +12,13 @@ import contextvars
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ContextDecorator, contextmanager
 from time import monotonic
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["CancelToken", "Canceller", "current_token", "detach", "shield"]
+__all__ = ["CancelToken", "Canceller", "TokenUsage", "current_token", "detach", "shield"]
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -41,7 +42,8 @@ class Canceller(Protocol):
         """Cancel the request's app task now."""
 
     def cancel_app_soon(self) -> None:
-        """Cancel it from inside the app (a `shield()` block's exit), without racing its end."""
+        """Cancel it from inside the app (a `shield()` block's exit, possibly in a worker
+        thread), without racing its end."""
 
     def spawn(self, awaitable: Awaitable[object], /) -> None:
         """Run an awaitable returned by an `on_cancel` callback, before the request ends."""
@@ -74,6 +76,9 @@ class CancelToken:
     deadline: float | None = None
     _detached: bool = False
     _finished: list[Callable[[], object]] | None = None
+    #: The tokens an engine spent on the request, as a binding counted them
+    #: (`asgi_cancel.vllm.generate`, `count_output`); None until one counts.
+    usage: TokenUsage | None = None
 
     def __repr__(self) -> str:
         state = f"cancelled, reason={self._reason!r}" if self._cancelled else "active"
@@ -150,6 +155,17 @@ class CancelToken:
 
         return unregister
 
+    def add_usage(self, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """Count tokens an engine spent on the request (a binding calls it as outputs come):
+        what a cancelled request cost, and how much of it after its cancellation began."""
+        usage = self.usage
+        if usage is None:
+            usage = self.usage = TokenUsage()
+            if self._cancelled:
+                usage.completion_tokens_at_cancel = 0
+        usage.prompt_tokens += prompt_tokens
+        usage.completion_tokens += completion_tokens
+
     def remaining(self) -> float | None:
         """Seconds left before the request's deadline (0 once it passed), or None without one."""
         if self.deadline is None:
@@ -184,6 +200,8 @@ class CancelToken:
             return
         self._cancelled = True
         self._reason = reason
+        if self.usage is not None:
+            self.usage.completion_tokens_at_cancel = self.usage.completion_tokens
         self._canceller = canceller
         callbacks = self._callbacks
         while callbacks:
@@ -267,6 +285,30 @@ class CancelToken:
                 run_detached(result)
 
 
+class TokenUsage:
+    """What an engine spent on one request, in tokens: `prompt_tokens`, `completion_tokens`
+    (every choice, so far), and `completion_tokens_at_cancel` (None unless cancelled), from
+    which `after_cancel`: the tokens generated once the request's cancellation had begun."""
+
+    __slots__ = ("completion_tokens", "completion_tokens_at_cancel", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.completion_tokens_at_cancel: int | None = None
+
+    @property
+    def after_cancel(self) -> int:
+        at_cancel = self.completion_tokens_at_cancel
+        return 0 if at_cancel is None else self.completion_tokens - at_cancel
+
+    def __repr__(self) -> str:
+        return (
+            f"<TokenUsage prompt={self.prompt_tokens} completion={self.completion_tokens} "
+            f"after_cancel={self.after_cancel}>"
+        )
+
+
 def _noop() -> None:
     pass
 
@@ -298,6 +340,11 @@ def source_in(context: contextvars.Context) -> TokenSource | None:
     """The request whose token is current in `context` (a task's), if any (its token is not
     made by asking)."""
     return context.get(_current)
+
+
+def current_source() -> TokenSource | None:
+    """The request being handled (its token not made by asking), or None outside one."""
+    return _current.get(None)
 
 
 def find_token() -> CancelToken | None:
@@ -346,9 +393,7 @@ def shield() -> Iterator[CancelToken | None]:
         return
     token._shield_depth += 1
     try:
-        if asyncio.events._get_running_loop() is not None:
-            yield token
-        else:
+        if _in_trio_task():
             # Trio: a cancel scope, once cancelled, cancels every later checkpoint in it (a
             # cancellation issued while the app waited for a worker thread would land inside
             # this block): a shielded scope defers it to the block's end, trio's own way.
@@ -356,12 +401,27 @@ def shield() -> Iterator[CancelToken | None]:
 
             with trio.CancelScope(shield=True):
                 yield token
+        else:  # an asyncio task, or sync code in a worker thread
+            yield token
     finally:
         token._shield_depth -= 1
         if not token._shield_depth and token._deferred:
             token._deferred = False
             if token._canceller is not None and not token._detached:
                 token._canceller.cancel_app_soon()
+
+
+def _in_trio_task() -> bool:
+    if asyncio.events._get_running_loop() is not None:
+        return False
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:  # a worker thread
+        return False
+    return True
 
 
 class detach(ContextDecorator):  # lower case: used like shield(), a function-like helper

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING
 
-from ._registry import CancelRegistry, header_name
+from ._registry import CANCELLED, CANCELLED_STATUS, CancelRegistry, header_name
 from ._report import escaped
 from ._responses import refuse
 from .types import Scope
@@ -148,17 +148,14 @@ class Tracking:
         headers = dict(scope.get("headers", ()))
         if self.id_header is not None:
             raw_id: bytes | None = headers.get(self.id_header)
-            if raw_id is None:
+            request_id = "" if raw_id is None else raw_id.decode("latin-1").strip(" \t")
+            if not request_id:  # none sent (or an empty header): ours
                 request_id = new_request_id()
-            else:
-                request_id = raw_id.decode("latin-1").strip(" \t")
-                if not valid_request_id(request_id):
-                    return self._refuse(
-                        cycle,
-                        self.id_header,
-                        request_id,
-                        f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}",
-                    )
+            elif not valid_request_id(request_id):
+                expected = f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}"
+                return self._refuse(cycle, self.id_header, request_id, expected)
+            elif self.registry is not None and self.registry.cancelled_before_it_came(request_id):
+                return refuse(cycle.real_send, CANCELLED_STATUS, CANCELLED)
             token.request_id = request_id
             state = scope.get("state")
             if isinstance(state, dict):  # Starlette's request.state.request_id

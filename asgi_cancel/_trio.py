@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
+import threading
 from collections.abc import Awaitable
 from time import monotonic
 
@@ -12,7 +13,6 @@ import trio
 
 from ._cycle import Cycle, Options, State, logger, new_cycle
 from ._responses import COMPLETION_TIMEOUT, complete_cancelled
-from ._token import bind, unbind
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
@@ -39,21 +39,18 @@ class TrioDriver:
         if tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = tracking.begin(cycle)
             if refused is not None:
+                cycle.finished()
                 await refused
                 return
-            tracking.register(cycle, trio.lowlevel.current_trio_token().run_sync_soon)
         runner: TrioRunner = cycle.ensure_runner()  # type: ignore[assignment]
         token = cycle.token
-        reset = bind(cycle)
         error: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
                 runner.nursery = nursery
+                if tracking is not None:
+                    runner.track(tracking)
                 nursery.start_soon(runner.watch_in_scope)
-                if token.deadline is not None:
-                    # Made here, not in the task: cancelled before it starts, it still ends.
-                    runner.deadline_scope = trio.CancelScope()
-                    nursery.start_soon(runner.wait_deadline, token.deadline)
                 try:
                     with runner.app_scope:
                         await self.app(scope, cycle.receive, cycle.send)
@@ -65,11 +62,7 @@ class TrioDriver:
                 except BaseException as exc:  # re-raised below, outside the nursery's group
                     error = exc
                 finally:
-                    cycle.finished()
-                    runner.watch_scope.cancel()
-                    runner.grace_scope.cancel()
-                    if runner.deadline_scope is not None:
-                        runner.deadline_scope.cancel()
+                    cycle.finished()  # (the nursery waits for the runner's tasks)
         except BaseExceptionGroup as group:
             # An outside cancellation also cancels the watcher; its Cancelled must not replace
             # the app's own exception.
@@ -77,15 +70,12 @@ class TrioDriver:
             if error is None or rest is not None:
                 raise
         finally:
-            unbind(reset)
             runner.nursery = None
-            if tracking is not None:
-                tracking.unregister(cycle)
         if error is not None:
             raise error
         if token.cancelled:
             with trio.move_on_after(COMPLETION_TIMEOUT) as bound:
-                await complete_cancelled(cycle, send)
+                await complete_cancelled(cycle, receive, send)
             if bound.cancelled_caught:
                 logger.debug("asgi_cancel: the server's send did not return; not completing")
 
@@ -100,6 +90,9 @@ class TrioRunner:
         "grace_scope",
         "nursery",
         "parked",
+        "thread",
+        "tracking",
+        "trio_token",
         "watch_scope",
     )
 
@@ -111,6 +104,30 @@ class TrioRunner:
         self.grace_scope = trio.CancelScope()
         self.nursery: trio.Nursery | None = None
         self.deadline_scope: trio.CancelScope | None = None
+        self.tracking: Tracking | None = None
+        self.trio_token = trio.lowlevel.current_trio_token()
+        self.thread = threading.get_ident()
+
+    def track(self, tracking: Tracking) -> None:
+        """Make the request findable by id, and start its deadline's task if it has one."""
+        self.tracking = tracking
+        tracking.register(self.cycle, trio.lowlevel.current_trio_token().run_sync_soon)
+        deadline = self.cycle.token.deadline
+        if deadline is not None and self.nursery is not None:
+            # Made here, not in the task: cancelled before it starts, it still ends.
+            self.deadline_scope = trio.CancelScope()
+            self.nursery.start_soon(self.wait_deadline, deadline)
+
+    def close(self) -> bool:
+        """The app has returned: end the watcher, the grace period and the deadline's wait
+        (the nursery waits for them), and leave the registry."""
+        self.watch_scope.cancel()
+        self.grace_scope.cancel()
+        if self.deadline_scope is not None:
+            self.deadline_scope.cancel()
+        if self.tracking is not None:
+            self.tracking.unregister(self.cycle)
+        return False
 
     async def watch_in_scope(self) -> None:
         with self.watch_scope:
@@ -141,7 +158,10 @@ class TrioRunner:
             self.app_scope.cancel()
 
     def cancel_app_soon(self) -> None:
-        self.cancel_app()
+        if threading.get_ident() == self.thread:
+            self.cancel_app()  # a cancelled scope: the app's next checkpoint raises
+        else:  # the shield() block was sync code in a worker thread
+            self.trio_token.run_sync_soon(self.cancel_app)
 
     def start_grace(self) -> None:
         self.grace_scope.deadline = trio.current_time() + self.cycle.options.grace

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 from time import monotonic
 
-from opentelemetry import trace
+try:
+    from opentelemetry import trace
+except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
+    raise ImportError(
+        f"asgi_cancel.otel needs opentelemetry-api ({exc.name} is missing): "
+        "pip install 'asgi-cancel[otel]'"
+    ) from exc
 
 from ._report import phase
 from ._token import current_token

@@ -17,9 +17,16 @@ from collections.abc import Callable, Sequence
 from time import monotonic
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
+    raise ImportError(
+        f"asgi_cancel.prometheus needs prometheus_client ({exc.name} is missing): "
+        "pip install 'asgi-cancel[prometheus]'"
+    ) from exc
 
 from ._report import phase, route_template
+from ._token import TokenUsage
 from .types import Scope
 
 __all__ = ["DEFAULT_BUCKETS", "CancelMetrics", "route_template"]
@@ -37,7 +44,7 @@ LABELS = ("method", "route", "reason", "phase")
 class CancelMetrics:
     """An `on_cancelled` hook that counts cancelled requests and times their cleanup.
 
-    Two metrics, each labelled by `method`, `route` (the router's template such as
+    Three metrics, each labelled by `method`, `route` (the router's template such as
     `/v1/items/{item_id}`, never the raw path; `"unmatched"` when no Starlette/FastAPI route
     matched), `reason` (`"client disconnected"`, ...) and `phase` (`"before_response"` or
     `"mid_stream"`): every label takes values from a bounded set.
@@ -46,6 +53,11 @@ class CancelMetrics:
       request, at the disconnect.
     - `<namespace>_cancel_cleanup_seconds`: a histogram of the time from the disconnect to
       the app having returned (its cleanup done), observed once when the request ends.
+    - `<namespace>_cancelled_tokens_total`: what an engine spent on cancelled requests, in
+      tokens, with one more label `kind`: `prompt`, `completion` (all generated), and
+      `after_cancel` (generated once the cancellation had begun); counted when the request
+      ends, where a binding counts the engine's outputs (`asgi_cancel.vllm.generate`,
+      `asgi_cancel.vllm.counted`).
 
     Multiprocess mode (gunicorn or uvicorn `--workers N`) works as for any
     `prometheus_client` metric: set `PROMETHEUS_MULTIPROC_DIR` before the workers start and
@@ -84,9 +96,23 @@ class CancelMetrics:
             registry=registry,
             buckets=tuple(buckets),
         )
+        self.tokens = Counter(
+            "cancelled_tokens",
+            "Tokens an engine spent on cancelled requests (kind: prompt, completion, "
+            "after_cancel).",
+            (*LABELS, "kind"),
+            namespace=namespace,
+            registry=registry,
+        )
 
     def __call__(
-        self, scope: Scope, *, reason: str, response_started: bool, **_: Any
+        self,
+        scope: Scope,
+        *,
+        reason: str,
+        response_started: bool,
+        usage: TokenUsage | None = None,
+        **_: Any,
     ) -> Callable[[], None]:
         method = scope.get("method", "")
         labels = (
@@ -101,5 +127,12 @@ class CancelMetrics:
 
         def finished() -> None:
             histogram.observe(monotonic() - cancelled_at)
+            if usage is not None and (usage.prompt_tokens or usage.completion_tokens):
+                for kind, count in (
+                    ("prompt", usage.prompt_tokens),
+                    ("completion", usage.completion_tokens),
+                    ("after_cancel", usage.after_cancel),
+                ):
+                    self.tokens.labels(*labels, kind).inc(count)
 
         return finished

@@ -22,8 +22,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from typing import Literal
+from urllib.parse import quote
 
-import anyio
+try:
+    import anyio
+except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
+    raise ImportError(
+        f"asgi_cancel.testing needs anyio ({exc.name} is missing): "
+        "pip install 'asgi-cancel[testing]'"
+    ) from exc
 
 from .types import ASGIApp, Message, Scope
 
@@ -39,8 +46,9 @@ def http_scope(
     spec_version: str = "2.3",
     http_version: str = "1.1",
 ) -> Scope:
-    """Build a minimal, valid HTTP connection scope."""
-    raw_path = path.encode("latin-1")
+    """Build a minimal, valid HTTP connection scope (`path` decoded, as servers give it;
+    `raw_path` its percent-encoded bytes)."""
+    raw_path = quote(path, safe="/:@!$&'()*+,;=~").encode("ascii")
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": spec_version},

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 from ._token import CancelToken, find_token
 
-__all__ = ["EngineClient", "abort_on_cancel", "generate"]
+__all__ = ["EngineClient", "abort_on_cancel", "counted", "generate"]
 
 _OutputT_co = TypeVar("_OutputT_co", covariant=True)
 
@@ -150,12 +150,13 @@ async def generate(
         **kwargs: passed on to `engine.generate` (e.g. `lora_request`, `priority`).
 
     Yields:
-        The engine's outputs, unchanged.
+        The engine's outputs, unchanged (counted: `counted()`).
     """
     start: Callable[..., AsyncIterator[_OutputT_co]] = engine.generate
     async with _aborting(engine, (request_id,)) as (token, abort):
         aborted_late = False
-        async for output in start(prompt, sampling_params, request_id, **kwargs):
+        outputs = start(prompt, sampling_params, request_id, **kwargs)
+        async for output in counted(outputs, sampling_params):
             if (
                 token is not None
                 and token.should_stop
@@ -168,3 +169,39 @@ async def generate(
                 aborted_late = True
                 await engine.abort([request_id])
             yield output
+
+
+async def counted(
+    outputs: AsyncIterator[_OutputT_co], sampling_params: Any
+) -> AsyncIterator[_OutputT_co]:
+    """`outputs` of one `engine.generate()`, unchanged, with their tokens counted into the
+    current request's token (`token.usage`: prompt, completion, and completion tokens after
+    the cancellation began), for the cancel report, the log and `CancelMetrics`.
+
+    `generate()` counts its outputs this way; with `abort_on_cancel`, iterate
+    `counted(engine.generate(...), sampling_params)`. Outside a request it counts nothing.
+    vLLM's `RequestOutput` is read duck-typed (`prompt_token_ids`, `outputs[i].token_ids`);
+    `sampling_params.output_kind` says whether each output carries the new tokens only
+    (`DELTA`, as vLLM's streaming routes ask) or all of them so far.
+    """
+    token = find_token()
+    if token is None:
+        async for output in outputs:
+            yield output
+        return
+    kind = getattr(getattr(sampling_params, "output_kind", None), "name", "CUMULATIVE")
+    delta = kind == "DELTA"
+    counted_so_far = 0
+    prompt_counted = False
+    async for output in outputs:
+        if not prompt_counted:
+            prompt_counted = True
+            token.add_usage(prompt_tokens=len(getattr(output, "prompt_token_ids", None) or ()))
+        choices = getattr(output, "outputs", None) or ()
+        tokens = sum(len(getattr(choice, "token_ids", None) or ()) for choice in choices)
+        if delta:
+            token.add_usage(completion_tokens=tokens)
+        elif tokens > counted_so_far:
+            token.add_usage(completion_tokens=tokens - counted_so_far)
+            counted_so_far = tokens
+        yield output

@@ -32,13 +32,16 @@ class CancelOptions:
             serve it only where nobody but the gateway and operators can connect (the example
             binds 127.0.0.1).
         timeout, timeout_header: the middleware's deadlines: a request past its own is
-            cancelled and answered 504 (a started stream is ended).
+            cancelled and answered 504 (a started stream is cut).
+        redis_url: the Redis that carries cancels by id between the processes of the
+            deployment (`asgi_cancel.redis.RedisBroker`); None: this process only.
     """
 
     cancel_endpoint: bool = False
     secret: str | None = None
     timeout: float | None = None
     timeout_header: str | None = None
+    redis_url: str | None = None
 
     def wrap(
         self, app: Starlette, *, ids: bool = False, on_cancelled: OnCancelled | None = None
@@ -50,7 +53,14 @@ class CancelOptions:
             ids: give every request an id, endpoint or not (a gateway forwards it).
             on_cancelled: the middleware's hook.
         """
-        registry = CancelRegistry() if ids or self.cancel_endpoint else None
+        registry = None
+        if ids or self.cancel_endpoint:
+            broker = None
+            if self.redis_url is not None:
+                from asgi_cancel.redis import RedisBroker  # the redis extra: only when asked
+
+                broker = RedisBroker(self.redis_url)
+            registry = CancelRegistry(broker=broker)
         if registry is not None and self.cancel_endpoint:
             authorize = require_header(CANCEL_SECRET_HEADER, self.secret) if self.secret else None
             endpoint = cancel_endpoint(registry, authorize=authorize)

@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -87,7 +88,12 @@ def create_gateway(backend_urls: list[str], *, binding: CancelOptions | None) ->
     dropped = _DROPPED_REQUEST
     transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport()
     if binding is not None:
-        transport = CancelTransport(timeout_header=binding.timeout_header)
+        # The id and the budget go to our own backends only (CancelTransport's default is
+        # nowhere: an upstream that is not ours learns nothing).
+        backends = [urlsplit(url).netloc for url in backend_urls]
+        transport = CancelTransport(
+            forward_to=backends, timeout_header=binding.timeout_header or None
+        )
         if binding.timeout_header:
             dropped |= {binding.timeout_header.lower()}
     client = httpx.AsyncClient(transport=transport, timeout=UPSTREAM_TIMEOUT)

@@ -11,6 +11,8 @@ from .cancelling import CancelOptions
 
 # The cancel endpoint's secret comes from the environment: an argument would show in `ps`.
 SECRET_ENV = "ASGI_CANCEL_SECRET"
+# So does the broker's URL, which may hold a Redis ACL user's password.
+REDIS_ENV = "ASGI_CANCEL_REDIS_URL"
 TIMEOUT_HEADER = "x-request-timeout"
 
 
@@ -39,7 +41,9 @@ def add_middleware_arguments(parser: argparse.ArgumentParser) -> None:
         "--cancel-endpoint",
         action="store_true",
         help="serve cancel-by-id: DELETE /v1/requests/{X-Request-Id} (off by default); "
-        f"with ${SECRET_ENV} set, it requires the header X-Cancel-Secret: <that value>",
+        f"with ${SECRET_ENV} set, it requires the header X-Cancel-Secret: <that value>; "
+        f"with ${REDIS_ENV} set (redis://host:6379/0), a cancel reaches the request in any "
+        "process on that Redis (--workers, several servers)",
     )
     parser.add_argument(
         "--timeout",
@@ -74,7 +78,10 @@ def cancel_options(args: argparse.Namespace, *, without: str | None) -> CancelOp
         return None
     header = TIMEOUT_HEADER if args.timeout_header is None else args.timeout_header
     secret = os.environ.get(SECRET_ENV) or None
-    return CancelOptions(args.cancel_endpoint, secret, args.timeout, header or None)
+    redis_url = os.environ.get(REDIS_ENV) or None
+    if redis_url is not None and not args.cancel_endpoint:
+        raise SystemExit(f"error: ${REDIS_ENV} carries cancels by id: add --cancel-endpoint")
+    return CancelOptions(args.cancel_endpoint, secret, args.timeout, header or None, redis_url)
 
 
 def port_in_use_message(host: str, port: int) -> str:

@@ -8,7 +8,6 @@ import anyio
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token
-from asgi_cancel._tracking import parse_duration
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
@@ -127,13 +126,3 @@ async def test_an_app_that_reacts_itself_gets_no_second_cancel() -> None:
     conn = await run(CancelOnDisconnectMiddleware(app, timeout=0.05, grace=1, watch_delay=0))
     assert events == ["http.disconnect", "cleanup done"]
     assert conn.status == 504
-
-
-def test_parse_duration() -> None:
-    assert parse_duration("30") == 30
-    assert parse_duration(" 1.5 ") == 1.5
-    assert parse_duration("500ms") == 0.5
-    assert parse_duration("2m") == 120
-    assert parse_duration(".5s") == 0.5
-    assert parse_duration("5 h") is None
-    assert parse_duration("nan") is None

@@ -178,7 +178,6 @@ class Record:
     poll_messages: list[str] = field(default_factory=list)
     cancelled: int = 0  # cancellations that reached the app's top frame
     cancelled_in_shield: bool = False
-    right_after_a_shield: bool = False  # the shield() step it was cancelled in followed one
     cancelled_while_thread_ran: bool = False
     token_at_cancel: tuple[bool, str | None] | None = None
     cleanup_done: int = 0
@@ -297,7 +296,6 @@ def make_app(
         record.threads_running -= 1
 
     async def run_step(step: str, send: Send, receive: Receive, started: list[bool]) -> None:
-        after_a_shield, previous[0] = previous[0] == "shield", step
         if step == "sleep":
             await anyio.sleep(0.001)
         elif step == "thread":
@@ -310,7 +308,6 @@ def make_app(
                 except cancelled_exceptions():
                     if not record.shutdown_requested:
                         record.cancelled_in_shield = True
-                        record.right_after_a_shield = after_a_shield
                     raise
         elif step == "chunk":
             if not started[0]:
@@ -326,7 +323,6 @@ def make_app(
                     record.poll_messages.append((await receive())["type"])
 
     body_read = [False]
-    previous = [""]
 
     async def cleanup() -> None:
         if behaviour.cleanup_awaits:
@@ -495,10 +491,6 @@ def check(
 
     if behaviour.django:
         pass  # the app cancels its own handler, shield() or not: not the middleware's cancel
-    elif record.cancelled_in_shield and record.right_after_a_shield:
-        # Known bug (test_token.py's strict xfail): on asyncio a cancellation deferred to a
-        # shield()'s exit lands in the next shield() if no await comes between them.
-        event("known bug: a cancel deferred by shield() lands in the next shield()")
     else:
         assert not record.cancelled_in_shield, "cancelled inside shield()"
     assert not record.cancelled_while_thread_ran, "the request unwound around a worker thread"

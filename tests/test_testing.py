@@ -86,6 +86,6 @@ def test_bad_options_are_value_errors(kwargs: dict[str, object], match: str) -> 
 def test_http_scope_is_valid() -> None:
     scope = http_scope("POST", "/a b", headers=[(b"x", b"1")], spec_version="2.4")
     assert scope["type"] == "http"
-    assert scope["raw_path"] == b"/a b"
+    assert scope["raw_path"] == b"/a%20b"  # as sent on the wire
     assert scope["asgi"] == {"version": "3.0", "spec_version": "2.4"}
     assert scope["headers"] == [(b"x", b"1")]

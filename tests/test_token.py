@@ -18,15 +18,9 @@ from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import cleanup_scope, leave, read_body, respond, until, xfail_on
+from .helpers import cleanup_scope, leave, read_body, respond, until
 
 pytestmark = pytest.mark.anyio
-
-SHIELD_AFTER_SHIELD = (
-    "bug (asyncio): the cancellation deferred to a shield()'s exit is issued a loop iteration "
-    "later without looking at the token again (cancel_app_soon): a shield() entered right "
-    "after is cut"
-)
 
 
 def test_outside_a_request_current_token_is_a_clear_error_and_shield_detach_do_nothing() -> None:
@@ -239,11 +233,8 @@ async def test_token_made_on_first_use_is_one_token_across_threads() -> None:
 
 
 # -- 8. shield() and detach() -------------------------------------------------------------------
-@pytest.mark.parametrize("then", ["awaits", "shields-again"])
-async def test_shield_defers_cancellation_but_token_reports_at_once(
-    then: str, request: pytest.FixtureRequest
-) -> None:
-    xfail_on("asyncio", request, then == "shields-again", reason=SHIELD_AFTER_SHIELD)
+async def test_shield_defers_cancellation_but_token_reports_at_once() -> None:
+    """(Two shield() blocks in a row: tests/test_shield_sequences.py.)"""
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -254,23 +245,13 @@ async def test_shield_defers_cancellation_but_token_reports_at_once(
                 events.append(f"in shield, reason={token.reason}")
                 await anyio.sleep(0.02)
                 events.append("critical section done")
-            if then == "shields-again":
-                with shield():
-                    await anyio.sleep(0.01)
-                    events.append("second critical section done")
             await anyio.sleep(30)
         except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
 
     await leave(CancelOnDisconnectMiddleware(app))
-    second = ["second critical section done"] if then == "shields-again" else []
-    assert events == [
-        "in shield, reason=client disconnected",
-        "critical section done",
-        *second,
-        "cancelled",
-    ]
+    assert events == ["in shield, reason=client disconnected", "critical section done", "cancelled"]
 
 
 async def test_detached_handler_runs_to_the_end_while_its_token_reports_the_disconnect() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from example_app.gateway_cli import GatewayProcess
 from example_app.launch import ServerProcess, free_port
-from example_app.options import SECRET_ENV
+from example_app.options import REDIS_ENV, SECRET_ENV
 
 from .helpers import MODEL, WATCHDOG, completion_body, request, stats, wait_idle
 
@@ -156,3 +156,26 @@ def test_an_unreachable_backend_is_a_502() -> None:
         assert status == 502
         assert json.loads(body)["error"]["type"] == "server_error"
         assert "Traceback" not in gateway.log_text()
+
+
+def test_with_a_redis_a_cancel_through_either_server_stops_the_request(tmp_path: Path) -> None:
+    """`ASGI_CANCEL_REDIS_URL`: two example servers on one Redis are one deployment."""
+    from tests.redis_server import running_redis
+
+    with running_redis(tmp_path) as redis:
+        env = {REDIS_ENV: redis.url}
+        with (
+            ServerProcess(*CANCEL_ARGS, env=env) as holder,
+            ServerProcess(*CANCEL_ARGS, env=env) as other,
+        ):
+            aborted = stats(holder)["requests_aborted_total"]
+            with closing(send(holder.port, "across-1")) as pending:
+                wait_running([holder], 1)
+                answer = request(other.port, "DELETE", "/v1/requests/across-1")
+                assert (answer[0], json.loads(answer[2])) == (
+                    202,
+                    {"id": "across-1", "cancelled": True},
+                )
+                assert pending.getresponse().status == 499
+            assert wait_idle(holder)["requests_aborted_total"] == aborted + 1
+            assert request(other.port, "DELETE", "/v1/requests/nobody")[0] == 404

@@ -2,8 +2,7 @@
 
 `app` is Django's ASGI application wrapped with the middleware (`asgi.py`:
 `application = CancelOnDisconnectMiddleware(get_asgi_application())`); `control` is the same
-application without it. Django's ASGI handler serves only `http` scopes, so both are put behind
-a lifespan responder, as a project does when its server speaks lifespan.
+application without it. (Django refuses `lifespan` scopes; uvicorn then goes on without.)
 """
 
 from __future__ import annotations
@@ -41,22 +40,15 @@ from django.urls import path  # type: ignore[import-untyped]  # noqa: E402
 from .appkit import (  # noqa: E402
     NORMAL_BODY,
     NORMAL_HEADER,
-    ASGIApp,
-    Receive,
-    Scope,
-    Send,
     blocking_work,
     chunks,
-    log_cancellations_to_stderr,
-    recording_exit,
-    serve_lifespan,
+    served,
     slow_work,
-    with_middleware,
 )
 
 
-def text(body: str, status: int = 200) -> HttpResponse:
-    response = HttpResponse(body, content_type="text/plain", status=status)
+def text(body: str) -> HttpResponse:
+    response = HttpResponse(body, content_type="text/plain")
     response["Content-Length"] = str(len(response.content))
     return response
 
@@ -80,9 +72,8 @@ async def slow(request: HttpRequest) -> HttpResponse:
 
 async def stream(request: HttpRequest) -> StreamingHttpResponse:
     query = request.GET
-    return StreamingHttpResponse(
-        chunks(query["id"], float(query.get("t", "30"))), content_type="text/plain"
-    )
+    body = chunks(query["id"], float(query.get("t", "30")))
+    return StreamingHttpResponse(body, content_type="text/plain")
 
 
 def sync(request: HttpRequest) -> HttpResponse:
@@ -100,17 +91,6 @@ urlpatterns = [
 ]
 
 
-def with_lifespan(http_app: ASGIApp) -> ASGIApp:
-    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await serve_lifespan(receive, send)
-        else:
-            await http_app(scope, receive, send)
-
-    return asgi
-
-
-log_cancellations_to_stderr()
-django_application: ASGIApp = get_asgi_application()
-app = recording_exit(with_lifespan(with_middleware(django_application)))
-control = recording_exit(with_lifespan(django_application))
+django_application = get_asgi_application()
+app = served(django_application, wrap=True)
+control = served(django_application)

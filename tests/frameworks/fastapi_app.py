@@ -6,34 +6,28 @@ the request in the events.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from asgiref.sync import async_to_sync, sync_to_async
 from fastapi import BackgroundTasks, Depends, FastAPI, Query
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from sse_starlette import EventSourceResponse
 
 from asgi_cancel import CancelOnDisconnectMiddleware
 
+from ..servers.events import record, record_hook
 from .appkit import (
     NORMAL_BODY,
     NORMAL_HEADER,
-    STEP,
     Resource,
     background_work,
     blocking_work,
     chunks,
-    log_cancellations_to_stderr,
     polling_async_work,
-    record,
-    record_cancelled,
-    record_hook,
-    recording_exit,
     resource_dependency,
+    served,
     slow_work,
-    token_or_none,
 )
 
 RequestId = Annotated[str, Query(alias="id")]
@@ -63,6 +57,10 @@ def build() -> FastAPI:
         await slow_work(rid, t)
         return PlainTextResponse("slow done")
 
+    @api.get("/stream")
+    async def stream(rid: RequestId, t: float = 30) -> StreamingResponse:
+        return StreamingResponse(chunks(rid, t), media_type="text/plain")
+
     @api.get("/sse")
     async def sse(rid: RequestId, t: float = 30) -> EventSourceResponse:
         async def events() -> AsyncIterator[str]:
@@ -72,31 +70,18 @@ def build() -> FastAPI:
         return EventSourceResponse(events(), sep="\n")  # `data: chunk\n\n`, not \r\n
 
     @api.get("/sync-db")
-    def sync_db(rid: RequestId, db: Db, t: float = 30) -> PlainTextResponse:
+    def sync_db(rid: RequestId, db: Db, t: float = 30, check: str = "flag") -> PlainTextResponse:
         """A `def` endpoint: FastAPI runs it in the threadpool; the teardown of `db` must wait
         until it returned."""
-        return PlainTextResponse(blocking_work(rid, t, db))
+        return PlainTextResponse(blocking_work(rid, t, db, check))
 
     @api.get("/async-db")
     async def async_db(rid: RequestId, db: Db, t: float = 30) -> PlainTextResponse:
-        token = token_or_none()
-        record(rid, "start")
-        try:
-            for _ in range(int(t / STEP)):
-                await asyncio.sleep(STEP)
-                db.use("step")
-        except asyncio.CancelledError as exc:
-            record_cancelled(rid, token, exc)
-            db.use("rollback")  # the session is still open while the endpoint unwinds
-            raise
-        finally:
-            record(rid, "finally")
-        record(rid, "done")
+        await slow_work(rid, t, resource=db)
         return PlainTextResponse("async done")
 
     @api.get("/bg")
     async def bg(rid: RequestId, background_tasks: BackgroundTasks) -> PlainTextResponse:
-        record(rid, "start")
         background_tasks.add_task(background_work, rid)
         return PlainTextResponse("bg")
 
@@ -120,7 +105,5 @@ def build() -> FastAPI:
 
 fastapi_app = build()
 fastapi_app.add_middleware(CancelOnDisconnectMiddleware, on_cancelled=record_hook)
-
-log_cancellations_to_stderr()
-app = recording_exit(fastapi_app)
-control = recording_exit(build())
+app = served(fastapi_app)
+control = served(build())

@@ -14,14 +14,11 @@ from .appkit import (
     NORMAL_BODY,
     NORMAL_HEADER,
     Resource,
-    as_asgi,
     blocking_work,
     chunks,
-    log_cancellations_to_stderr,
-    recording_exit,
     resource_dependency,
+    served,
     slow_work,
-    with_middleware,
 )
 
 RequestId = Annotated[str, QueryParameter(name="id")]
@@ -65,7 +62,5 @@ def sync(rid: RequestId, db: NamedDependency[Resource], t: Seconds = 30) -> str:
 
 
 litestar_app = Litestar(route_handlers=[hello, normal, slow, stream, sync])
-
-log_cancellations_to_stderr()
-app = recording_exit(with_middleware(litestar_app))
-control = recording_exit(as_asgi(litestar_app))
+app = served(litestar_app, wrap=True)
+control = served(litestar_app)

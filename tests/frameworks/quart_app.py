@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from quart import Quart, Response, request
 
-from .appkit import (
-    NORMAL_BODY,
-    NORMAL_HEADER,
-    as_asgi,
-    chunks,
-    log_cancellations_to_stderr,
-    recording_exit,
-    slow_work,
-    with_middleware,
-)
+from .appkit import NORMAL_BODY, NORMAL_HEADER, chunks, served, slow_work
 
 quart_app = Quart(__name__)
 
@@ -40,10 +29,9 @@ async def slow() -> str:
 
 @quart_app.get("/stream")
 async def stream() -> Response:
-    body: AsyncIterator[bytes] = chunks(request.args["id"], float(request.args.get("t", "30")))
+    body = chunks(request.args["id"], float(request.args.get("t", "30")))
     return Response(body, content_type="text/plain")
 
 
-log_cancellations_to_stderr()
-app = recording_exit(with_middleware(quart_app))
-control = recording_exit(as_asgi(quart_app))
+app = served(quart_app, wrap=True)
+control = served(quart_app)

@@ -17,16 +17,21 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.servers.client import HOST, connect, drain
+from tests.servers.client import connect, drain, send_request
 from tests.servers.events import Event
-from tests.servers.runner import Server, ServerSpec, start_server
+from tests.servers.runner import (
+    HYPERCORN_ARGS,
+    UVICORN_ARGS,
+    Server,
+    ServerSpec,
+    command,
+    start_server,
+)
 
 GRACEFUL = 1  # seconds, both servers' graceful timeout here
 THREAD_SECONDS = 0.3  # a worker thread's work that ends within the graceful timeout
@@ -40,34 +45,25 @@ LOG_MARKERS = (
 )
 
 
-def _uvicorn(target: str, port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "uvicorn", target, "--host", HOST, "--port", str(port),
-        "--http", "httptools", "--no-access-log",
-        "--timeout-graceful-shutdown", str(GRACEFUL),
-    ]  # fmt: skip
-
-
-def _hypercorn(target: str, port: int) -> list[str]:
-    # The default: one worker process under a parent that takes the signals.
-    return [
-        sys.executable, "-m", "hypercorn", "-k", "asyncio", "-b", f"{HOST}:{port}",
-        "--graceful-timeout", str(GRACEFUL), target,
-    ]  # fmt: skip
-
-
-UVICORN = ServerSpec("uvicorn", _uvicorn)
-HYPERCORN = ServerSpec("hypercorn-asyncio", _hypercorn)
+UVICORN = ServerSpec(
+    "uvicorn",
+    command(*UVICORN_ARGS, "--http", "httptools", "--timeout-graceful-shutdown", str(GRACEFUL)),
+)
+# The default: one worker process under a parent that takes the signals.
+HYPERCORN = ServerSpec(
+    "hypercorn-asyncio",
+    command(*HYPERCORN_ARGS, "-k", "asyncio", "--graceful-timeout", str(GRACEFUL)),
+)
 SERVERS = (UVICORN, HYPERCORN)
-WITH = "reliability.inflight_app:app"
-WITHOUT = "reliability.inflight_app:bare_app"
+CASES = [(spec, sig) for spec in SERVERS for sig in (signal.SIGTERM, signal.SIGINT)]
+WITH = "tests.reliability.inflight_app:app"
+WITHOUT = "tests.reliability.inflight_app:bare_app"
 
 
 @dataclass
 class ShutdownResult:
     server: str
     signal: str
-    middleware: bool
     seconds: float  # signal -> process exit
     returncode: int
     events: dict[str, list[Event]]
@@ -82,9 +78,11 @@ class ShutdownResult:
         return exits[0] if exits else None
 
 
-def _request(port: int, target: str, *, extra: str = "") -> socket.socket:
+def _request(port: int, target: str, *, pipelined: str = "") -> socket.socket:
     sock = connect(port)
-    sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {HOST}\r\n\r\n{extra}".encode())
+    send_request(sock, "GET", target)
+    if pipelined:  # a second request behind the first, on the same connection
+        send_request(sock, "GET", pipelined)
     return sock
 
 
@@ -93,8 +91,8 @@ def put_in_flight(server: Server, tag: str) -> tuple[dict[str, str], list[socket
     ids = {name: f"{tag}-{name}" for name in (*IN_FLIGHT, "pipelined")}
     port = server.port
     socks = [_request(port, f"/stream?id={ids['stream']}")]
-    pipelined = f"GET /hello?id={ids['pipelined']} HTTP/1.1\r\nHost: {HOST}\r\n\r\n"
-    socks.append(_request(port, f"/slow?id={ids['slow']}", extra=pipelined))
+    pipelined = f"/hello?id={ids['pipelined']}"
+    socks.append(_request(port, f"/slow?id={ids['slow']}", pipelined=pipelined))
     socks.append(_request(port, f"/hold?id={ids['hold']}"))
     server.events.wait_for(ids["hold"], "holding", timeout=10)
     socks.append(_request(port, f"/queued?id={ids['queued']}"))
@@ -135,7 +133,6 @@ def shutdown_run(
     return ShutdownResult(
         server=spec.name,
         signal=sig.name,
-        middleware=middleware,
         seconds=exited_at - sent_at,
         returncode=returncode,
         events={name: server.events.of(rid) for name, rid in ids.items()},
@@ -144,44 +141,22 @@ def shutdown_run(
     )
 
 
-def medians(
-    runs: int, progress: Callable[[ShutdownResult], None] | None = None
-) -> dict[tuple[str, str, bool], list[float]]:
-    times: dict[tuple[str, str, bool], list[float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for spec in SERVERS:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                for index in range(runs):
-                    for middleware in (False, True):
-                        workdir = Path(tmp) / f"{spec.name}-{sig.name}-{middleware}-{index}"
-                        workdir.mkdir()
-                        result = shutdown_run(spec, middleware, sig, workdir, f"r{index}")
-                        key = (spec.name, sig.name, middleware)
-                        times.setdefault(key, []).append(result.seconds)
-                        if progress:
-                            progress(result)
-    return times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
-
-    def progress(result: ShutdownResult) -> None:
-        print(  # noqa: T201
-            f"{result.server} {result.signal} middleware={result.middleware}: "
-            f"{result.seconds:.2f} s, exit {result.returncode}, log markers {result.markers}"
-        )
-
-    times = medians(args.runs, progress)
-    print("| server | signal | without middleware | with middleware |")  # noqa: T201
-    print("|---|---|---|---|")  # noqa: T201
-    for spec in SERVERS:
-        for sig in ("SIGTERM", "SIGINT"):
-            without = statistics.median(times[spec.name, sig, False])
-            with_ = statistics.median(times[spec.name, sig, True])
-            print(f"| {spec.name} | {sig} | {without:.2f} s | {with_:.2f} s |")  # noqa: T201
+    runs = parser.parse_args().runs
+    print("| server | signal | without middleware | with middleware |\n|---|---|---|---|")  # noqa: T201
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec, sig in CASES:
+            seconds: dict[bool, list[float]] = {False: [], True: []}
+            for index in range(runs):
+                for middleware in (False, True):
+                    workdir = Path(tmp) / f"{spec.name}-{sig.name}-{middleware}-{index}"
+                    workdir.mkdir()
+                    result = shutdown_run(spec, middleware, sig, workdir, f"r{index}")
+                    seconds[middleware].append(result.seconds)
+            without, with_ = (statistics.median(seconds[m]) for m in (False, True))
+            print(f"| {spec.name} | {sig.name} | {without:.2f} s | {with_:.2f} s |")  # noqa: T201
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import argparse
 import json
 import random
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -21,17 +20,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.servers.client import HOST, connect, get, read_to_eof
+from tests.servers.client import FIN, HOST, RST, close, connect, fetch, get
+from tests.servers.h2_client import H2Client
 from tests.servers.runner import (
     HYPERCORN_ASYNCIO,
     UVICORN_HTTPTOOLS,
     Server,
-    ServerSpec,
     running_server,
 )
-from tests.servers.test_h2 import H2Client
 
-TARGET = "reliability.soak_app:app"
+TARGET = "tests.reliability.inflight_app:app"
 # Our tasks (the middleware's, the app's) must be gone by then.
 SETTLE_TIMEOUT = 30.0
 
@@ -47,13 +45,24 @@ class Stats:
 @dataclass
 class SoakResult:
     server: str
+    before: Stats
+    after: Stats | None = None  # once the run is over and the tasks settled
     requests: int = 0
     completed: int = 0
     departures: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
-    before: Stats | None = None
-    after: Stats | None = None
     seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def answered(self, kind: str, status: int | None, body: bytes, expected: bytes) -> None:
+        with self.lock:
+            self.completed += 1
+            if status != 200 or body != expected:
+                self.errors.append(f"{kind}: {status} {body[:80]!r}")
+
+    def left(self, how: str) -> None:
+        with self.lock:
+            self.departures[how] += 1
 
 
 def stats(port: int, *, stacks: bool = False) -> Stats:
@@ -61,63 +70,41 @@ def stats(port: int, *, stacks: bool = False) -> Stats:
     return Stats(data["tasks"], data["ours"], data["rss_kib"], data.get("stacks", []))
 
 
-def rst(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
-
-
 def leave(sock: socket.socket, rng: random.Random) -> str:
-    if rng.random() < 0.5:
-        rst(sock)
-        return "rst"
-    sock.close()
-    return "fin"
+    how = RST if rng.random() < 0.5 else FIN
+    close(sock, how)
+    return how
 
 
-def dechunk(data: bytes) -> bytes:
-    body = b""
-    while True:
-        size_line, data = data.split(b"\r\n", 1)
-        size = int(size_line, 16)
-        if size == 0:
-            return body
-        body += data[:size]
-        data = data[size + 2 :]
+# What a request of each kind asks and must answer when it stays; what it asks when it leaves
+# (a worker thread cannot be cancelled: 5 s threads would fill the default executor, 6 threads
+# here, and queue every other thread call behind them).
+STAYS = {
+    "hello": ("/hello", b"hello"),
+    "stream": ("/stream?n=20&every=0.002", b"".join(b"%05d\n" % index for index in range(20))),
+    "slow": ("/slow?t=0.01", b"slow done"),
+    "thread": ("/thread?t=0.01", b"thread done"),
+}
+LEAVES = {
+    "hello": "/hello",
+    "stream": "/stream?n=500&every=0.002",
+    "slow": "/slow?t=5",
+    "thread": "/thread?t=0.05",
+}
 
 
-def http1_request(port: int, method: str, target: str, body: bytes = b"") -> tuple[int, bytes]:
-    with connect(port) as sock:
-        head = f"{method} {target} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n"
-        if body or method == "POST":
-            head += f"Content-Length: {len(body)}\r\n"
-        sock.sendall(head.encode() + b"\r\n" + body)
-        data = read_to_eof(sock)
-    head_bytes, _, payload = data.partition(b"\r\n\r\n")
-    status = int(head_bytes.split()[1])
-    if b"transfer-encoding: chunked" in head_bytes.lower():
-        payload = dechunk(payload)
-    return status, payload
-
-
-def one_http1(port: int, rng: random.Random, result: SoakResult, lock: threading.Lock) -> None:
+def one_http1(port: int, rng: random.Random, result: SoakResult) -> None:
     kind = rng.choice(["hello", "echo", "stream", "slow", "thread"])
     leaving = rng.random() < 0.5
     if not leaving:
         if kind == "echo":
             sent = rng.randbytes(rng.randint(0, 20000))
-            status, body = http1_request(port, "POST", "/echo", sent)
+            response = fetch(port, "POST", "/echo", sent)
             expected = sent
-        elif kind == "stream":
-            status, body = http1_request(port, "GET", "/stream?n=20")
-            expected = b"".join(b"%05d\n" % index for index in range(20))
         else:
-            target = {"hello": "/hello", "slow": "/slow?t=0.01", "thread": "/thread?t=0.01"}
-            status, body = http1_request(port, "GET", target[kind])
-            expected = {"hello": b"hello", "slow": b"slow done", "thread": b"thread done"}[kind]
-        with lock:
-            result.completed += 1
-            if status != 200 or body != expected:
-                result.errors.append(f"{kind}: {status} {body[:80]!r}")
+            target, expected = STAYS[kind]
+            response = fetch(port, "GET", target)
+        result.answered(kind, response.status, response.body, expected)
         return
     where = rng.choice(["headers", "mid-body", "mid-stream", "in-thread"])
     sock = connect(port)
@@ -128,19 +115,15 @@ def one_http1(port: int, rng: random.Random, result: SoakResult, lock: threading
         head = f"POST /echo HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 50000\r\n\r\n"
         sock.sendall(head.encode() + rng.randbytes(rng.randint(0, 20000)))
     elif where == "mid-stream":
-        sock.sendall(f"GET /stream?n=500 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        sock.sendall(f"GET /stream?n=500&every=0.002 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
         sock.recv(rng.randint(1, 400))
     else:
         sock.sendall(f"GET /thread?t=0.02 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
         time.sleep(rng.uniform(0, 0.01))
-    how = leave(sock, rng)
-    with lock:
-        result.departures[f"{where}/{how}"] += 1
+    result.left(f"{where}/{leave(sock, rng)}")
 
 
-def h2_client(
-    port: int, count: int, rng: random.Random, result: SoakResult, lock: threading.Lock
-) -> None:
+def h2_client(port: int, count: int, rng: random.Random, result: SoakResult) -> None:
     done = 0
     while done < count:
         with connect(port) as sock:
@@ -148,42 +131,21 @@ def h2_client(
             while done < count:
                 done += 1
                 kind = rng.choice(["hello", "stream", "slow", "thread"])
-                target = {
-                    "hello": "/hello",
-                    "stream": "/stream?n=20",
-                    "slow": "/slow?t=0.01",
-                    "thread": "/thread?t=0.01",
-                }[kind]
                 leaving = rng.random() < 0.5
-                if leaving:
-                    # A worker thread cannot be cancelled: 5 s threads would fill the default
-                    # executor (6 threads here) and queue every other thread call behind them.
-                    leaving_targets = {"stream": "/stream?n=500", "slow": "/slow?t=5"}
-                    target = leaving_targets.get(kind, target.replace("t=0.01", "t=0.05"))
-                stream_id = client.get(target)
+                stream_id = client.get(LEAVES[kind] if leaving else STAYS[kind][0])
                 if not leaving:
                     client.read_until_ended(stream_id)
-                    expected = {
-                        "hello": b"hello",
-                        "stream": b"".join(b"%05d\n" % index for index in range(20)),
-                        "slow": b"slow done",
-                        "thread": b"thread done",
-                    }[kind]
-                    with lock:
-                        result.completed += 1
-                        body = client.body.get(stream_id, b"")
-                        if client.status.get(stream_id) != 200 or body != expected:
-                            result.errors.append(f"h2 {kind}: {body[:80]!r}")
+                    body = client.body.get(stream_id, b"")
+                    result.answered(
+                        f"h2 {kind}", client.status.get(stream_id), body, STAYS[kind][1]
+                    )
                     continue
                 time.sleep(rng.uniform(0, 0.01))
                 if rng.random() < 0.8:
                     client.reset_stream(stream_id)
-                    with lock:
-                        result.departures[f"h2-{kind}/rst-stream"] += 1
+                    result.left(f"h2-{kind}/rst-stream")
                 else:
-                    how = leave(sock, rng)
-                    with lock:
-                        result.departures[f"h2-{kind}/conn-{how}"] += 1
+                    result.left(f"h2-{kind}/conn-{leave(sock, rng)}")
                     break
 
 
@@ -202,12 +164,10 @@ def settle(port: int, baseline: int) -> Stats:
 def soak(
     server: Server, *, requests: int, clients: int = 4, h2: bool = False, seed: int = 13
 ) -> SoakResult:
-    result = SoakResult(server=server.spec.name + ("-h2c" if h2 else ""))
     for _ in range(20):  # warm up: imports, the thread pool, the first connections
         get(server.port, "/hello")
-        http1_request(server.port, "GET", "/thread?t=0")
-    result.before = stats(server.port)
-    lock = threading.Lock()
+        fetch(server.port, "GET", "/thread?t=0")
+    result = SoakResult(server.spec.name + ("-h2c" if h2 else ""), before=stats(server.port))
     per_client = requests // clients
     started = time.monotonic()
 
@@ -215,12 +175,12 @@ def soak(
         rng = random.Random(seed * 1000 + index)
         try:
             if h2:
-                h2_client(server.port, per_client, rng, result, lock)
+                h2_client(server.port, per_client, rng, result)
             else:
                 for _ in range(per_client):
-                    one_http1(server.port, rng, result, lock)
+                    one_http1(server.port, rng, result)
         except Exception as exc:  # a client error is a finding, not a crash of the soak
-            with lock:
+            with result.lock:
                 result.errors.append(f"client {index}: {exc!r}")
 
     threads = [threading.Thread(target=run, args=(index,)) for index in range(clients)]
@@ -234,11 +194,7 @@ def soak(
     return result
 
 
-SPECS: list[tuple[ServerSpec, bool]] = [
-    (UVICORN_HTTPTOOLS, False),
-    (HYPERCORN_ASYNCIO, False),
-    (HYPERCORN_ASYNCIO, True),
-]
+SPECS = [(UVICORN_HTTPTOOLS, False), (HYPERCORN_ASYNCIO, False), (HYPERCORN_ASYNCIO, True)]
 
 
 def main() -> None:
@@ -259,7 +215,6 @@ def main() -> None:
 
 
 def report(result: SoakResult, traceback: bool) -> str:
-    assert result.before is not None
     assert result.after is not None
     return (
         f"{result.server}: {result.requests} requests in {result.seconds:.1f} s, "

@@ -2,34 +2,29 @@
 against the `read_ahead` bound, resets mid-header and mid-body, ~1,000 idle connections.
 
 Throughout: nothing hangs (every socket has a timeout), a normal request is served during and
-after each attack, and the server logs no traceback. The figures (RSS per slow upload, idle
-connections held) are printed (shown with -rA) and quoted in docs/reliability.md.
-"""
+after each attack, the server logs no traceback. The figures are printed (shown with -rA)
+and quoted in docs/reliability.md."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import resource
 import socket
-import struct
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
 
 import pytest
 
-from ..servers.client import HOST, connect, get, read_response
-from ..servers.runner import Server, ServerSpec, running_server
+from ..servers.client import HOST, RST, close, connect, get, read_response
+from ..servers.runner import Server, ServerSpec, serving
 from .inflight_app import BIG_READ_AHEAD
-from .shutdown import HYPERCORN, UVICORN
+from .shutdown import HYPERCORN, UVICORN, WITH, WITHOUT
+from .soak import settle, stats
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(120)]
 
-WITH = "reliability.inflight_app:app"
-WITHOUT = "reliability.inflight_app:bare_app"
-BIG = "reliability.inflight_app:big_app"
+BIG = "tests.reliability.inflight_app:big_app"
 READ_AHEAD = 64 * 1024  # the middleware's default
 
 SLOWLORIS = 200  # connections per kind (headers, then body)
@@ -42,34 +37,26 @@ UPLOADS_FINISHED = 3  # of them, sent to the end and checked; the others reset m
 SERVE_TIMEOUT = 10.0  # "a normal request is served": well within this, or the test fails
 
 
-def stats(port: int) -> tuple[int, int]:
-    data = json.loads(get(port, "/stats", timeout=SERVE_TIMEOUT).body)
-    return data["tasks"], data["rss_kib"]
-
-
 def assert_serving(server: Server) -> None:
     response = get(server.port, "/hello", timeout=SERVE_TIMEOUT)
-    assert response.status == 200
-    assert response.body == b"hello"
+    assert (response.status, response.body) == (200, b"hello")
 
 
-def rst(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
-
-
-def settle_tasks(server: Server, baseline: int, timeout: float = 10.0) -> int:
-    """uvicorn: the task count once back to `baseline` (or at the deadline). hypercorn keeps
-    closed connections' tasks ~20 s with or without us (docs/reliability.md): not waited for."""
-    port = server.port
-    if server.spec is not UVICORN:
-        return stats(port)[0]
-    deadline = time.monotonic() + timeout
-    while True:
-        tasks, _ = stats(port)
-        if tasks <= baseline or time.monotonic() > deadline:
-            return tasks
-        time.sleep(0.1)
+@contextmanager
+def no_task_left(server: Server, attack: str) -> Iterator[None]:
+    """Around an attack: a normal request is served after it, the middleware's and the app's
+    tasks are back to where they were (the server's own are not asserted: hypercorn keeps
+    closed connections' tasks ~20 s, with or without us), and the log has no traceback."""
+    before = stats(server.port)
+    yield
+    assert_serving(server)
+    after = settle(server.port, before.ours)
+    print(  # noqa: T201  (shown with -rA)
+        f"{server.spec} {attack}: tasks {before.tasks} -> {after.tasks} after "
+        f"(ours {before.ours} -> {after.ours})"
+    )
+    assert after.ours <= before.ours, after.stacks
+    server.assert_no_traceback()
 
 
 def raise_fd_limit(needed: int) -> None:
@@ -81,11 +68,11 @@ def raise_fd_limit(needed: int) -> None:
 
 
 @contextmanager
-def serving(spec: ServerSpec, target: str, tmp: pytest.TempPathFactory) -> Iterator[Server]:
+def attacked(spec: ServerSpec, target: str, tmp: pytest.TempPathFactory) -> Iterator[Server]:
     # The shutdown specs: a 1 s graceful timeout, so stopping a server with attackers' requests
     # still parked in it never waits on them.
     raise_fd_limit(2 * IDLE + 2 * SLOWLORIS + 256)  # the server inherits it
-    with running_server(spec, target, tmp.mktemp(spec.name + "-hostile")) as server:
+    with serving(spec, target, tmp) as server:
         assert_serving(server)
         yield server
 
@@ -94,60 +81,38 @@ def serving(spec: ServerSpec, target: str, tmp: pytest.TempPathFactory) -> Itera
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    with serving(request.param, WITH, tmp_path_factory) as server:
+    with attacked(request.param, WITH, tmp_path_factory) as server:
         yield server
 
 
 def test_slowloris(server: Server) -> None:
     """Headers sent then silence; a partial body then silence; on many connections."""
-    baseline, _ = stats(server.port)
-    socks = []
-    try:
+    with no_task_left(server, f"slowloris x{2 * SLOWLORIS}"), ExitStack() as socks:
         for index in range(SLOWLORIS):
-            sock = connect(server.port)
+            sock = socks.enter_context(connect(server.port))
             sock.sendall(f"GET /hello?id=h{index} HTTP/1.1\r\nHost: {HOST}\r\nX-Slow: ".encode())
-            socks.append(sock)
         for index in range(SLOWLORIS):
-            sock = connect(server.port)
+            sock = socks.enter_context(connect(server.port))
             head = f"POST /echo?id=b{index} HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 1000"
             sock.sendall(head.encode() + b"\r\n\r\n" + b"x" * 100)
-            socks.append(sock)
         assert_serving(server)
         time.sleep(1.0)  # silence
         assert_serving(server)
-        during, _ = stats(server.port)
-    finally:
-        for sock in socks:
-            sock.close()
-    assert_serving(server)
-    after = settle_tasks(server, baseline)
-    print(  # noqa: T201  (shown with -rA)
-        f"{server.spec} slowloris x{2 * SLOWLORIS}: tasks {baseline} -> {during} during "
-        f"-> {after} after"
-    )
-    if server.spec is UVICORN:
-        assert after <= baseline
-    server.assert_no_traceback()
+        print(f"{server.spec} slowloris: tasks {stats(server.port).tasks} during")  # noqa: T201
 
 
 def test_resets_mid_header_and_mid_body(server: Server) -> None:
-    baseline, _ = stats(server.port)
-    for index in range(RESETS):
-        sock = connect(server.port)
-        sock.sendall(f"GET /slow?id=rh{index} HTTP/1.1\r\nHost: {HOST}\r\nX-Cut: ab".encode())
-        rst(sock)
-        sock = connect(server.port)
-        head = f"POST /echo?id=rb{index} HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 50000"
-        sock.sendall(head.encode() + b"\r\n\r\n" + b"y" * (index * 97 % 20000))
-        rst(sock)
-        if index % 25 == 0:
-            assert_serving(server)
-    assert_serving(server)
-    after = settle_tasks(server, baseline)
-    print(f"{server.spec} resets x{2 * RESETS}: tasks {baseline} -> {after}")  # noqa: T201
-    if server.spec is UVICORN:
-        assert after <= baseline
-    server.assert_no_traceback()
+    with no_task_left(server, f"resets x{2 * RESETS}"):
+        for index in range(RESETS):
+            header = f"GET /slow?id=rh{index} HTTP/1.1\r\nHost: {HOST}\r\nX-Cut: ab"
+            head = f"POST /echo?id=rb{index} HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 50000"
+            body = head.encode() + b"\r\n\r\n" + b"y" * (index * 97 % 20000)
+            for data in (header.encode(), body):
+                sock = connect(server.port)
+                sock.sendall(data)
+                close(sock, RST)
+            if index % 25 == 0:
+                assert_serving(server)
 
 
 def still_open(sock: socket.socket) -> bool:
@@ -161,22 +126,17 @@ def still_open(sock: socket.socket) -> bool:
 
 
 def test_idle_connections(server: Server) -> None:
-    _, rss_before = stats(server.port)
-    socks = []
-    try:
+    rss_before = stats(server.port).rss_kib
+    with no_task_left(server, f"idle x{IDLE}"), ExitStack() as stack:
+        socks = []
         for index in range(IDLE):
-            socks.append(connect(server.port))
+            socks.append(stack.enter_context(connect(server.port)))
             if index % 250 == 0:
                 assert_serving(server)
-        assert_serving(server)
         time.sleep(1.0)
-        _, rss_during = stats(server.port)
+        rss_during = stats(server.port).rss_kib
         held = sum(still_open(sock) for sock in socks)
         assert_serving(server)
-    finally:
-        for sock in socks:
-            sock.close()
-    assert_serving(server)
     per_connection = (rss_during - rss_before) / IDLE
     print(  # noqa: T201
         f"{server.spec} idle: {held}/{IDLE} held open after 1 s; RSS {rss_before} -> "
@@ -186,27 +146,15 @@ def test_idle_connections(server: Server) -> None:
         # hypercorn closes most of them within the second, with or without us: the middleware
         # never sees a connection that sends nothing (reported in docs/reliability.md).
         assert held == IDLE
-    server.assert_no_traceback()
 
 
-@dataclass
-class UploadFigures:
-    target: str
-    rss_before_kib: int
-    rss_during_kib: int
-    accepted_bytes: int  # what the client's kernel took, across all uploads
-
-    @property
-    def per_upload_kib(self) -> float:
-        return (self.rss_during_kib - self.rss_before_kib) / UPLOADS
-
-
-def slow_uploads(server: Server, target: str) -> UploadFigures:
+def slow_uploads(server: Server, target: str) -> float:
     """UPLOADS connections each send a 5 MB body, a piece at a time, to `/upload` (which does
     not read it until `/open`), until no socket takes more; RSS is read then. The gate is then
-    opened: UPLOADS_FINISHED uploads are sent to the end and checked, the others reset."""
+    opened: UPLOADS_FINISHED uploads are sent to the end and checked, the others reset.
+    Returns the RSS (KiB) the server grew by, per upload."""
     body = bytes(range(256)) * (UPLOAD_SIZE // 256)
-    _, rss_before = stats(server.port)
+    rss_before = stats(server.port).rss_kib
     socks = []
     sent = []
     try:
@@ -242,7 +190,7 @@ def slow_uploads(server: Server, target: str) -> UploadFigures:
         # Not a bound: loopback socket buffers are large (the server's grows to MBs).
         assert min(sent) > 0
         assert_serving(server)
-        _, rss_during = stats(server.port)
+        rss_during = stats(server.port).rss_kib
         get(server.port, "/open", timeout=SERVE_TIMEOUT)
         for index, sock in enumerate(socks):
             if index < UPLOADS_FINISHED:
@@ -252,42 +200,28 @@ def slow_uploads(server: Server, target: str) -> UploadFigures:
                 expected = f"{UPLOAD_SIZE} {hashlib.sha256(body).hexdigest()}".encode()
                 assert response.body == expected
             else:
-                rst(sock)
+                close(sock, RST)
         assert_serving(server)
     finally:
         for sock in socks:
             sock.close()
-    return UploadFigures(target, rss_before, rss_during, sum(sent))
-
-
-@pytest.fixture(scope="module")
-def upload_figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, UploadFigures]:
-    """Each app on a fresh uvicorn: memory is measured from a clean start."""
-    figures = {}
-    for target in (WITHOUT, WITH, BIG):
-        with serving(UVICORN, target, tmp_path_factory) as server:
-            figures[target] = slow_uploads(server, target)
-            server.assert_no_traceback()
-    for figure in figures.values():
-        print(  # noqa: T201
-            f"uvicorn {figure.target}: {UPLOADS} slow 5 MB uploads, RSS "
-            f"{figure.rss_before_kib} -> {figure.rss_during_kib} KiB, "
-            f"{figure.per_upload_kib:.1f} KiB per upload; client kernel took "
-            f"{figure.accepted_bytes / UPLOADS / 1024:.0f} KiB per upload"
-        )
-    return figures
+    per_upload = (rss_during - rss_before) / UPLOADS
+    print(  # noqa: T201  (shown with -rA)
+        f"uvicorn {target}: {UPLOADS} slow 5 MB uploads, RSS {rss_before} -> {rss_during} KiB, "
+        f"{per_upload:.1f} KiB per upload; the client's kernel took "
+        f"{sum(sent) / UPLOADS / 1024:.0f} KiB per upload"
+    )
+    return per_upload
 
 
 def test_slow_uploads_memory_bounded_by_read_ahead(
-    upload_figures: dict[str, UploadFigures],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    control = upload_figures[WITHOUT].per_upload_kib
-    ours = upload_figures[WITH].per_upload_kib
-    big = upload_figures[BIG].per_upload_kib
-    print(  # noqa: T201
-        f"RSS per slow upload: {control:.1f} KiB without, {ours:.1f} KiB with read_ahead "
-        f"64 KiB, {big:.1f} KiB with read_ahead 1 MiB"
-    )
+    per_upload = {}
+    for target in (WITHOUT, WITH, BIG):  # each on a fresh uvicorn: from a clean start
+        with attacked(UVICORN, target, tmp_path_factory) as server:
+            per_upload[target] = slow_uploads(server, target)
+    control, ours, big = per_upload[WITHOUT], per_upload[WITH], per_upload[BIG]
 
     # What the middleware adds per request follows its read-ahead (measured: +67 KiB for
     # 64 KiB, +1,050-1,080 KiB for 1 MiB), never the body; the slack is for the allocator.

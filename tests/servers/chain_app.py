@@ -1,19 +1,22 @@
-"""A two-hop chain for the cancel-across-hops tests: a gateway (Starlette + httpx) in front of a
-backend (a raw ASGI app under the middleware), each in its own uvicorn process.
+"""A two-hop chain: a gateway (Starlette + httpx) in front of a backend, each its own process.
 
-- `chain_app:backend`: `/slow?id=` sleeps 30 s, `/stream?id=` sends a chunk every 20 ms for
-  30 s; both record `started` and, when the middleware cancels them, `cancelled`.
-- `chain_app:gateway`: `CancelOnDisconnectMiddleware` + `CancelTransport` (the binding);
-  `chain_app:gateway_plain`: neither (the control); `chain_app:gateway_middleware_only`: the
-  middleware with a plain httpx client. `/slow` and `/stream` proxy to the backend on port
-  `$CHAIN_BACKEND_PORT`, non-streaming (the whole body, then answer) and streaming.
+- `backend`: the probe app under the middleware with a registry (it reports the request's
+  `X-Request-Id` in its `start` event).
+- `gateway`: the middleware + `CancelTransport` (the binding), forwarding ids to 127.0.0.1;
+  `gateway_aiohttp`: the same with an aiohttp session and `cancel_trace_config` (its upstream
+  call runs in a task of its own, which only the binding can stop);
+  `gateway_middleware_only`: the middleware with a plain httpx client; `gateway_plain`: no
+  asgi-cancel at all (the control). `/slow` and `/stream` proxy to the backend on port
+  `$CHAIN_BACKEND_PORT`: the whole body, then answer; or streamed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 
+import aiohttp
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -21,41 +24,16 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, current_token
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
+from asgi_cancel.aiohttp import cancel_trace_config
 from asgi_cancel.httpx import CancelTransport
 
-from .events import Receive, Scope, Send, query_param, record, request_id, serve_lifespan
+from .events import record_hook, recording_exit
+from .probe_app import probe
 
-
-async def _backend(scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] == "lifespan":
-        await serve_lifespan(receive, send)
-        return
-    path, rid = scope["path"], request_id(scope)
-    if path == "/hello":
-        headers = [(b"content-length", b"5")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": b"hello"})
-        return
-    record(rid, "started", upstream_id=current_token().request_id or "")
-    try:
-        if path == "/stream":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            for _ in range(1500):
-                await send({"type": "http.response.body", "body": b"chunk\n", "more_body": True})
-                await asyncio.sleep(0.02)
-            await send({"type": "http.response.body", "body": b""})
-        else:
-            await asyncio.sleep(float(query_param(scope, "t", "30")))
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"slow done"})
-    except asyncio.CancelledError:
-        record(rid, "cancelled")
-        raise
-    record(rid, "finished")
-
-
-backend = CancelOnDisconnectMiddleware(_backend, registry=CancelRegistry())
+backend = recording_exit(
+    CancelOnDisconnectMiddleware(probe, on_cancelled=record_hook, registry=CancelRegistry())
+)
 
 
 def _gateway(client: httpx.AsyncClient) -> Starlette:
@@ -78,13 +56,50 @@ def _gateway(client: httpx.AsyncClient) -> Starlette:
 
 
 _TIMEOUT = httpx.Timeout(60.0)
+_BINDING = CancelTransport(forward_to=["127.0.0.1"])
 gateway = CancelOnDisconnectMiddleware(
-    _gateway(
-        httpx.AsyncClient(transport=CancelTransport(forward_to=["127.0.0.1"]), timeout=_TIMEOUT)
-    ),
-    registry=CancelRegistry(),
+    _gateway(httpx.AsyncClient(transport=_BINDING, timeout=_TIMEOUT)), registry=CancelRegistry()
 )
-gateway_plain = _gateway(httpx.AsyncClient(timeout=_TIMEOUT))
 gateway_middleware_only = CancelOnDisconnectMiddleware(
     _gateway(httpx.AsyncClient(timeout=_TIMEOUT))
 )
+gateway_plain = _gateway(httpx.AsyncClient(timeout=_TIMEOUT))
+
+
+def _aiohttp_gateway() -> Starlette:
+    upstream = f"http://127.0.0.1:{os.environ.get('CHAIN_BACKEND_PORT', '0')}"
+    sessions: list[aiohttp.ClientSession] = []
+
+    def session() -> aiohttp.ClientSession:  # made in the server's event loop
+        if not sessions:
+            config = cancel_trace_config(forward_to=["127.0.0.1"])
+            sessions.append(aiohttp.ClientSession(trace_configs=[config]))
+        return sessions[0]
+
+    async def hello(request: Request) -> Response:
+        return PlainTextResponse("hello")
+
+    async def slow(request: Request) -> Response:
+        async def call() -> bytes:
+            params = dict(request.query_params)
+            async with session().get(f"{upstream}/slow", params=params) as answer:
+                return await answer.read()
+
+        # In a task of its own, as a gateway fanning out would: the binding stops it.
+        body = await asyncio.get_running_loop().create_task(call())
+        return Response(body)
+
+    async def stream(request: Request) -> Response:
+        answer = await session().get(f"{upstream}/stream", params=dict(request.query_params))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async for chunk in answer.content.iter_any():
+                yield chunk
+
+        return StreamingResponse(chunks(), background=BackgroundTask(answer.release))
+
+    routes = [Route("/hello", hello), Route("/slow", slow), Route("/stream", stream)]
+    return Starlette(routes=routes)
+
+
+gateway_aiohttp = CancelOnDisconnectMiddleware(_aiohttp_gateway(), registry=CancelRegistry())

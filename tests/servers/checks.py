@@ -1,7 +1,18 @@
-"""Assertions shared by the real-server tests."""
+"""What the real-server tests do and check again and again: leave a request, read its events."""
 
 from __future__ import annotations
 
+from .client import (
+    CHUNK_MARKER,
+    FIN,
+    HALF,
+    close,
+    connect,
+    read_head,
+    read_to_eof,
+    recv_some,
+    send_request,
+)
 from .events import Event
 from .latency import Latencies
 from .runner import Server
@@ -11,26 +22,48 @@ WATCHDOG = 5.0
 CANCELLED_EXCEPTIONS = ("CancelledError", "Cancelled")
 
 
+def leave(
+    server: Server,
+    target: str,
+    rid: str,
+    *,
+    close_kind: str = FIN,
+    stream: bool = False,
+    via: Server | None = None,
+) -> tuple[float, bytes]:
+    """Request `target` (from `via`, a gateway in front, if given), then close the connection
+    once `server`'s app works on request `rid` (a stream: once three chunks arrived). Returns
+    the time of the close and, after a half-close, what the client still read until EOF."""
+    with connect((via or server).port) as sock:
+        send_request(sock, "GET", target)
+        if stream:
+            status, _, body = read_head(sock)
+            assert status == 200
+            while body.count(CHUNK_MARKER) < 3:
+                body += recv_some(sock)
+        else:
+            server.events.wait_for(rid, "start", timeout=WATCHDOG)
+        closed_at = close(sock, close_kind)
+        return closed_at, read_to_eof(sock) if close_kind == HALF else b""
+
+
 def assert_cancelled(
     server: Server,
     rid: str,
-    *,
     closed_at: float,
-    response_started: bool,
     latencies: Latencies,
     scenario: str,
-    close: str,
-    exceptions: tuple[str, ...] = CANCELLED_EXCEPTIONS,
+    *,
+    close: str = FIN,
+    response_started: bool = False,
 ) -> Event:
-    """The app saw a cancellation after `closed_at`, the token fired once, the server got None.
-
-    `exceptions` names what the app's "cancelled" event may report: the cancellation exception,
-    or "none" for code that stopped by polling `token.cancelled`.
-    """
+    """The client left at `closed_at`; then the token fired once (the hook ran), then the app
+    saw the cancellation, then the middleware returned normally. The latency is kept for the
+    summary, under `scenario` and `close`."""
     cancelled = server.events.wait_for(rid, "cancelled", timeout=WATCHDOG)
     exit_event = server.events.wait_for(rid, "exit", timeout=WATCHDOG)
     hooks = server.events.of(rid, "hook")
-    assert cancelled["exc"] in exceptions
+    assert cancelled["exc"] in CANCELLED_EXCEPTIONS
     assert cancelled["token_cancelled"] is True
     assert cancelled["reason"] == "client disconnected"
     assert exit_event["outcome"] == "returned"  # the middleware absorbed its own cancellation
@@ -38,14 +71,10 @@ def assert_cancelled(
     assert hooks[0]["response_started"] is response_started
     assert hooks[0]["reason"] == "client disconnected"
     assert not server.events.of(rid, "done")
-    latency = cancelled["t"] - closed_at
-    assert 0 < latency < WATCHDOG
+    assert closed_at < hooks[0]["t"] <= cancelled["t"] <= exit_event["t"]
+    fired = hooks[0]["t"] - closed_at
     latencies.add(
-        server.spec.name,
-        scenario,
-        close,
-        cancel_s=latency,
-        fired_s=hooks[0]["t"] - closed_at,
+        server.spec.name, scenario, close, cancel_s=cancelled["t"] - closed_at, fired_s=fired
     )
     server.assert_no_traceback()
     return cancelled

@@ -117,14 +117,34 @@ def read_response(sock: socket.socket) -> Response:
     return Response(status, headers, body[:length])
 
 
-def read_until_count(sock: socket.socket, marker: bytes, count: int, already: bytes) -> bytes:
-    data = already
-    while data.count(marker) < count:
-        data += recv_some(sock)
-    return data
-
-
 def get(port: int, target: str, *, timeout: float = SOCKET_TIMEOUT) -> Response:
     with connect(port, timeout=timeout) as sock:
         send_request(sock, "GET", target)
         return read_response(sock)
+
+
+def fetch(port: int, method: str, target: str, body: bytes = b"") -> Response:
+    """One request on a new connection (`Connection: close`), read to EOF; chunked is decoded."""
+    headers = [("Connection", "close")]
+    if body or method == "POST":
+        headers.append(("Content-Length", str(len(body))))
+    with connect(port) as sock:
+        send_request(sock, method, target, headers=tuple(headers), body=body)
+        status, response_headers, rest = read_head(sock)
+        rest += read_to_eof(sock)
+    if response_headers.get("transfer-encoding", "").lower() == "chunked":
+        rest = dechunk(rest)
+    elif "content-length" in response_headers:
+        rest = rest[: int(response_headers["content-length"])]
+    return Response(status, response_headers, rest)
+
+
+def dechunk(data: bytes) -> bytes:
+    body = b""
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return body
+        body += data[:size]
+        data = data[size + 2 :]

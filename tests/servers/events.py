@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+from asgi_cancel import current_token
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -31,9 +33,12 @@ _fd: int | None = None
 
 
 # -- the app side (inside the server process) ---------------------------------------------------
-def record(request_id: str, event: str, **fields: Any) -> None:
-    """Append one event; a single `write` on an O_APPEND file, so threads cannot interleave."""
+def record(request_id: str, event: str, /, **fields: Any) -> None:
+    """Append one event; a single `write` on an O_APPEND file, so threads cannot interleave.
+    Requests without an `id` (readiness probes, the soak's thousands) record nothing."""
     global _fd
+    if request_id == NO_ID:
+        return
     now = time.monotonic()
     if _fd is None:
         _fd = os.open(os.environ[EVENTS_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -48,6 +53,19 @@ def query_param(scope: Scope, name: str, default: str = "") -> str:
 
 def request_id(scope: Scope) -> str:
     return query_param(scope, "id", NO_ID)
+
+
+def token_state() -> dict[str, Any]:
+    """The request's token as event fields (all None without the middleware: no token)."""
+    try:
+        token = current_token()
+    except RuntimeError:
+        return {"token_cancelled": None, "reason": None, "request_id": None}
+    return {
+        "token_cancelled": token.cancelled,
+        "reason": token.reason,
+        "request_id": token.request_id,
+    }
 
 
 def record_hook(scope: Scope, *, reason: str, elapsed: float, response_started: bool) -> None:
@@ -77,6 +95,13 @@ def recording_exit(app: ASGIApp) -> ASGIApp:
         record(rid, "exit", outcome="returned")
 
     return app_with_exit_record
+
+
+async def respond(send: Send, body: bytes) -> None:
+    """A whole 200 text/plain response with a Content-Length."""
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def serve_lifespan(receive: Receive, send: Send) -> None:
@@ -117,11 +142,8 @@ class EventLog:
         return [json.loads(line) for line in lines]
 
     def of(self, request_id: str, event: str | None = None) -> list[Event]:
-        return [
-            item
-            for item in self.all()
-            if item["id"] == request_id and (event is None or item["event"] == event)
-        ]
+        events = [item for item in self.all() if item["id"] == request_id]
+        return [item for item in events if event is None or item["event"] == event]
 
     def wait_for(
         self,

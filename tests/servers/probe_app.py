@@ -1,10 +1,9 @@
-"""A raw ASGI app that runs on asyncio and trio servers alike.
-
-Served as `servers.probe_app:app` by every server under test. Each endpoint records what
-happens to it through `events.record`, keyed by the `id` query parameter:
+"""A raw ASGI app that runs on asyncio and trio servers alike, served by every server under test.
+Each endpoint records what happens to it (`events.record`), keyed by the `id` query parameter:
 
 - `/hello`: 200 "hello" at once.
-- `/slow?t=30`: sleeps `t` seconds, then answers 200 "slow done".
+- `/slow?t=30`: sleeps `t` seconds, then answers 200 "slow done"; its `start` event has the
+  token's `request_id` (with a registry, the caller's `X-Request-Id`).
 - `/stream`: a chunk every 20 ms for up to 30 s.
 - `/bg?work=0.3`: answers 200 "bg" at once, then keeps working `work` seconds (post-response
   work, as Starlette's `BackgroundTasks`), recording whether the token was cancelled.
@@ -21,7 +20,7 @@ import asyncio
 import sniffio
 import trio
 
-from asgi_cancel import CancelOnDisconnectMiddleware, current_token
+from asgi_cancel import CancelOnDisconnectMiddleware
 
 from .events import (
     Receive,
@@ -33,21 +32,14 @@ from .events import (
     record_hook,
     recording_exit,
     request_id,
+    respond,
     serve_lifespan,
+    token_state,
 )
 
 CHUNK = b"chunk\n"
 CHUNK_INTERVAL = 0.02
 CANCELLED = (asyncio.CancelledError, trio.Cancelled)
-
-
-def token_state() -> tuple[bool | None, str | None]:
-    """The request's token (cancelled, reason), or (None, None) without the middleware."""
-    try:
-        token = current_token()
-    except RuntimeError:
-        return None, None
-    return token.cancelled, token.reason
 
 
 async def sleep(seconds: float) -> None:
@@ -59,34 +51,15 @@ async def sleep(seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 
-async def send_text(send: Send, status: int, text: bytes, *, more_body: bool = False) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"text/plain"),
-                (b"content-length", str(len(text)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": text, "more_body": more_body})
-
-
 async def slow(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
-    record(rid, "start")
+    record(rid, "start", **token_state())
     await sleep(float(query_param(scope, "t", "30")))
-    await send_text(send, 200, b"slow done")
+    await respond(send, b"slow done")
 
 
 async def stream(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [(b"content-type", b"text/plain")],
-        }
-    )
+    headers = [(b"content-type", b"text/plain")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     record(rid, "start")
     for _ in range(int(30 / CHUNK_INTERVAL)):
         await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
@@ -96,11 +69,10 @@ async def stream(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
 
 async def background(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
     record(rid, "start")
-    await send_text(send, 200, b"bg")
+    await respond(send, b"bg")
     # The response is complete: the client may now leave, this work must not be cancelled.
     await sleep(float(query_param(scope, "work", "0.3")))
-    token_cancelled, _ = token_state()
-    record(rid, "bg_done", token_cancelled=token_cancelled)
+    record(rid, "bg_done", **token_state())
 
 
 async def upload(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -119,11 +91,11 @@ async def upload(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
         more_body = message.get("more_body", False)
         record(rid, "received", received=received)
     await sleep(30)
-    await send_text(send, 200, b"upload done")
+    await respond(send, b"upload done")
 
 
 async def hello(rid: str, scope: Scope, receive: Receive, send: Send) -> None:
-    await send_text(send, 200, b"hello")
+    await respond(send, b"hello")
 
 
 ROUTES = {"/slow": slow, "/stream": stream, "/bg": background, "/upload": upload}
@@ -138,14 +110,7 @@ async def probe(scope: Scope, receive: Receive, send: Send) -> None:
     try:
         await endpoint(rid, scope, receive, send)
     except CANCELLED as exc:
-        token_cancelled, reason = token_state()
-        record(
-            rid,
-            "cancelled",
-            exc=type(exc).__name__,
-            token_cancelled=token_cancelled,
-            reason=reason,
-        )
+        record(rid, "cancelled", exc=type(exc).__name__, **token_state())
         raise
     record(rid, "done")
 

@@ -1,21 +1,30 @@
-"""Start and stop real ASGI servers as subprocesses on 127.0.0.1."""
+"""Start and stop real ASGI servers as subprocesses on 127.0.0.1.
+
+The server process has the repository on its path, so an app is named as in the tests
+(`tests.servers.probe_app:app`) and the package it imports is this checkout's.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from .client import HOST, get
 from .events import EVENTS_ENV, EventLog
-from .process import ServerProcess
-from .process import StartupError as StartupError
+from .process import free_port
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
+ROOT = TESTS_DIR.parent
 START_TIMEOUT = 20.0
 START_ATTEMPTS = 3
 READY_PROBE_TIMEOUT = 2.0
@@ -30,109 +39,154 @@ class ServerSpec:
     argv: Callable[[str, int], list[str]]
     # daphne (Twisted) reads the whole request body before it calls the app.
     buffers_request_body: bool = False
-    # Seconds after the client left at which the server cancels a still-running app task
-    # itself, post-response work included; None if it never does. (daphne also counts from the
-    # end of a normal response, client still connected.)
-    cancels_app_after: float | None = None
 
     def __str__(self) -> str:
         return self.name
 
 
-def _uvicorn(http: str) -> Callable[[str, int], list[str]]:
+def command(*args: str) -> Callable[[str, int], list[str]]:
+    """`python -m <args>` as a `ServerSpec.argv`: `{target}`, `{host}`, `{port}` filled in."""
+
     def argv(target: str, port: int) -> list[str]:
-        return [
-            sys.executable, "-m", "uvicorn", target, "--host", HOST, "--port", str(port),
-            "--http", http, "--no-access-log",
-        ]  # fmt: skip
+        filled = (arg.format(target=target, host=HOST, port=port) for arg in args)
+        return [sys.executable, "-m", *filled]
 
     return argv
 
 
-def _hypercorn(worker_class: str) -> Callable[[str, int], list[str]]:
-    def argv(target: str, port: int) -> list[str]:
-        return [
-            sys.executable, "-m", "hypercorn", "-k", worker_class, "-b", f"{HOST}:{port}",
-            "--graceful-timeout", "2", target,
-        ]  # fmt: skip
-
-    return argv
-
-
-def _daphne(target: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "daphne", "-b", HOST, "-p", str(port), target]
-
-
+UVICORN_ARGS = ("uvicorn", "{target}", "--host", "{host}", "--port", "{port}", "--no-access-log")
+HYPERCORN_ARGS = ("hypercorn", "{target}", "-b", "{host}:{port}")
+# gunicorn 27's native asyncio worker (`-k asgi`), one worker, no access log (the default).
+GUNICORN_ARGS = (
+    "gunicorn", "{target}", "-k", "asgi", "--workers", "1", "--bind", "{host}:{port}",
+    "--graceful-timeout", "2",
+)  # fmt: skip
 # gunicorn's `--asgi-disconnect-grace-period` default: its asgi worker cancels the request task
 # itself this long after the client left, post-response work included.
 GUNICORN_GRACE = 3.0
 
-
-def _gunicorn(*extra: str) -> Callable[[str, int], list[str]]:
-    # gunicorn 27's native asyncio worker (`-k asgi`), one worker, no access log (the default).
-    def argv(target: str, port: int) -> list[str]:
-        return [
-            sys.executable, "-m", "gunicorn", "-k", "asgi", "--workers", "1",
-            "--bind", f"{HOST}:{port}", "--graceful-timeout", "2", *extra, target,
-        ]  # fmt: skip
-
-    return argv
-
-
-def _granian(target: str, port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "granian", "--interface", "asgi", "--host", HOST,
-        "--port", str(port), "--workers", "1", "--no-ws", target,
-    ]  # fmt: skip
-
-
-UVICORN_HTTPTOOLS = ServerSpec("uvicorn-httptools", _uvicorn("httptools"))
-UVICORN_H11 = ServerSpec("uvicorn-h11", _uvicorn("h11"))
-HYPERCORN_ASYNCIO = ServerSpec("hypercorn-asyncio", _hypercorn("asyncio"))
-HYPERCORN_TRIO = ServerSpec("hypercorn-trio", _hypercorn("trio"))
-DAPHNE = ServerSpec("daphne", _daphne, buffers_request_body=True, cancels_app_after=10.0)
-GRANIAN = ServerSpec("granian", _granian)
-GUNICORN = ServerSpec("gunicorn", _gunicorn(), cancels_app_after=GUNICORN_GRACE)
+UVICORN_HTTPTOOLS = ServerSpec("uvicorn-httptools", command(*UVICORN_ARGS, "--http", "httptools"))
+UVICORN_H11 = ServerSpec("uvicorn-h11", command(*UVICORN_ARGS, "--http", "h11"))
+HYPERCORN_ASYNCIO = ServerSpec(
+    "hypercorn-asyncio", command(*HYPERCORN_ARGS, "-k", "asyncio", "--graceful-timeout", "2")
+)
+HYPERCORN_TRIO = ServerSpec(
+    "hypercorn-trio", command(*HYPERCORN_ARGS, "-k", "trio", "--graceful-timeout", "2")
+)
+# daphne cancels a still-running app task itself 10 s after the client left, or after the end
+# of a normal response (post-response work included).
+DAPHNE = ServerSpec(
+    "daphne",
+    command("daphne", "-b", "{host}", "-p", "{port}", "{target}"),
+    buffers_request_body=True,
+)
+GRANIAN = ServerSpec(
+    "granian",
+    command("granian", "--interface", "asgi", "--host", "{host}", "--port", "{port}",
+            "--workers", "1", "--no-ws", "{target}"),
+)  # fmt: skip
+GUNICORN = ServerSpec("gunicorn", command(*GUNICORN_ARGS))
 # HTTP/1.1 and h2c on one port: prior-knowledge h2c from 127.0.0.1 (in the default
 # --forwarded-allow-ips); "both" rather than "prior-knowledge" so the HTTP/1.1 ready probe is
 # still served, not refused with 400.
 GUNICORN_H2 = ServerSpec(
     "gunicorn-h2c",
-    _gunicorn("--http-protocols", "h2,h1", "--http2-cleartext", "both"),
-    cancels_app_after=GUNICORN_GRACE,
+    command(*GUNICORN_ARGS, "--http-protocols", "h2,h1", "--http2-cleartext", "both"),
 )
 HTTP1_SERVERS = (
-    UVICORN_HTTPTOOLS,
-    UVICORN_H11,
-    HYPERCORN_ASYNCIO,
-    HYPERCORN_TRIO,
-    DAPHNE,
-    GRANIAN,
-    GUNICORN,
-)
+    UVICORN_HTTPTOOLS, UVICORN_H11, HYPERCORN_ASYNCIO, HYPERCORN_TRIO, DAPHNE, GRANIAN, GUNICORN,
+)  # fmt: skip
 
 
-@dataclass
+class StartupError(RuntimeError):
+    """The server never answered its readiness probe, on any of the ports tried."""
+
+
 class Server:
-    spec: ServerSpec
-    harness: ServerProcess
-    events: EventLog
+    """`spec` serving `target` as a subprocess on a free port of 127.0.0.1, from `start()` to
+    `stop()`; its output goes to `workdir/server.log`, its apps' events to `events`.
 
-    @property
-    def port(self) -> int:
-        return self.harness.port
+    On this shared machine another process can take the free port before the server binds it;
+    some servers then exit, others keep running without listening. Either way the server is
+    stopped and started again on a fresh port, up to START_ATTEMPTS times. It runs in its own
+    process group, and `stop()` signals the whole group: granian and gunicorn fork workers.
+    """
+
+    def __init__(self, spec: ServerSpec, target: str, workdir: Path) -> None:
+        self.spec = spec
+        self.target = target
+        self.workdir = workdir  # the cwd, not the tests folder: nothing may shadow an import
+        self.log_path = workdir / "server.log"
+        self.events = EventLog(workdir / "events.jsonl")
+        # tests/ too, for targets named from there (`servers.metrics_app:app`).
+        path = [str(ROOT), str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+        self.env = {**os.environ, EVENTS_ENV: str(self.events.path), "PYTHONUNBUFFERED": "1"}
+        self.env["PYTHONPATH"] = os.pathsep.join(path)
+        self.port = 0
+        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def process(self) -> subprocess.Popen[bytes]:
-        assert self.harness.process is not None, "the server was stopped"
-        return self.harness.process
+        assert self._process is not None, "the server was stopped"
+        return self._process
 
-    def log(self) -> str:
-        return self.harness.log_text()
+    def start(self) -> None:
+        attempts: list[str] = []
+        for _ in range(START_ATTEMPTS):
+            self.port = free_port()
+            with self.log_path.open("wb") as output:
+                self._process = subprocess.Popen(
+                    self.spec.argv(self.target, self.port),
+                    cwd=self.workdir,
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            try:
+                problem = self._wait_until_ready(self._process)
+            except BaseException:  # a pytest-timeout or ^C while waiting
+                self.stop()
+                raise
+            if problem is None:
+                return
+            self.stop()
+            attempts.append(f"port {self.port}: {problem}\n{self.log()[-4000:]}")
+        argv = " ".join(self.spec.argv(self.target, self.port))
+        raise StartupError(f"{argv}\n" + "\n\n".join(attempts))
+
+    def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> str | None:
+        """None once the probe answers; else what went wrong."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while process.poll() is None:
+            # Still running after the probe answered: it was our server, not the port's thief.
+            if _says_hello(self.port) and process.poll() is None:
+                return None
+            if time.monotonic() > deadline:
+                return f"not ready after {START_TIMEOUT} s"
+            time.sleep(0.1)
+        return f"exited at startup with {process.returncode}"
 
     def stop(self) -> None:
-        """End the server's whole process group (granian forks workers)."""
-        self.harness.stop()
+        """SIGTERM to the process group, SIGKILL to what is left after STOP_TIMEOUT."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL: workers that outlived it
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:  # nothing of the group is left
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(STOP_TIMEOUT)
+        process.wait(STOP_TIMEOUT)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def assert_no_traceback(self) -> None:
         log = self.log()
@@ -149,20 +203,9 @@ def _says_hello(port: int) -> bool:
 
 def start_server(spec: ServerSpec, target: str, workdir: Path) -> Server:
     """Start `target` under `spec` in `workdir` (its log and event files are there)."""
-    events_path = workdir / "events.jsonl"
-    python_path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    harness = ServerProcess(
-        lambda port: spec.argv(target, port),
-        ready=_says_hello,
-        cwd=workdir,  # not the tests folder: nothing there may shadow a server import
-        env={EVENTS_ENV: str(events_path), "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"},
-        log=workdir / "server.log",
-        ready_timeout=START_TIMEOUT,
-        attempts=START_ATTEMPTS,
-        stop_timeout=STOP_TIMEOUT,
-    )
-    harness.start()
-    return Server(spec, harness, EventLog(events_path))
+    server = Server(spec, target, workdir)
+    server.start()
+    return server
 
 
 @contextmanager
@@ -173,3 +216,11 @@ def running_server(spec: ServerSpec, target: str, workdir: Path) -> Iterator[Ser
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def serving(spec: ServerSpec, target: str, tmp: pytest.TempPathFactory) -> Iterator[Server]:
+    """`running_server` for a fixture: a fresh workdir, and a log without a traceback at the end."""
+    with running_server(spec, target, tmp.mktemp(spec.name)) as server:
+        yield server
+        server.assert_no_traceback()

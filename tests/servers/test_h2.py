@@ -9,22 +9,16 @@ it too.
 
 from __future__ import annotations
 
-import socket
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.settings
 import pytest
 
 from .checks import WATCHDOG, assert_cancelled, assert_not_cancelled
-from .client import FIN, HOST, close, connect, new_id
+from .client import FIN, close, connect, new_id
+from .h2_client import H2Client
 from .latency import Latencies
-from .runner import GUNICORN_H2, HYPERCORN_ASYNCIO, HYPERCORN_TRIO, Server, running_server
+from .runner import GUNICORN_H2, HYPERCORN_ASYNCIO, HYPERCORN_TRIO, Server, serving
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 
@@ -33,78 +27,8 @@ pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    workdir: Path = tmp_path_factory.mktemp(request.param.name + "-h2")
-    with running_server(request.param, "servers.probe_app:app", workdir) as server:
+    with serving(request.param, "tests.servers.probe_app:app", tmp_path_factory) as server:
         yield server
-        server.assert_no_traceback()
-
-
-class H2Client:
-    """Just enough of an h2c client: requests, resets, and reading one stream to its end."""
-
-    def __init__(self, sock: socket.socket, port: int, *, window: int | None = None) -> None:
-        self.sock = sock
-        self.authority = f"{HOST}:{port}"
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        if window is not None:  # the server may send this many body bytes per stream
-            self.conn.local_settings = h2.settings.Settings(
-                client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window}
-            )
-        self.conn.initiate_connection()
-        self.flush()
-        self.status: dict[int, int] = {}
-        self.body: dict[int, bytes] = {}
-        self.ended: set[int] = set()
-        self.reset: set[int] = set()
-
-    def flush(self) -> None:
-        self.sock.sendall(self.conn.data_to_send())
-
-    def get(self, target: str) -> int:
-        stream_id = self.conn.get_next_available_stream_id()
-        headers = [
-            (":method", "GET"),
-            (":path", target),
-            (":scheme", "http"),
-            (":authority", self.authority),
-        ]
-        self.conn.send_headers(stream_id, headers, end_stream=True)
-        self.flush()
-        return stream_id
-
-    def reset_stream(self, stream_id: int) -> float:
-        self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
-        data = self.conn.data_to_send()
-        reset_at = time.monotonic()
-        self.sock.sendall(data)
-        return reset_at
-
-    def read_until_ended(self, stream_id: int) -> None:
-        self.read_until(lambda: stream_id in self.ended)
-
-    def read_until(self, condition: Callable[[], bool]) -> None:
-        while not condition():
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("server closed the connection")
-            for event in self.conn.receive_data(data):
-                if isinstance(event, h2.events.ResponseReceived):
-                    assert event.stream_id is not None
-                    self.status[event.stream_id] = int(dict(event.headers)[b":status"])
-                elif isinstance(event, h2.events.DataReceived):
-                    assert event.stream_id is not None
-                    assert event.data is not None
-                    self.body[event.stream_id] = self.body.get(event.stream_id, b"") + event.data
-                    self.conn.acknowledge_received_data(
-                        event.flow_controlled_length or 0, event.stream_id
-                    )
-                elif isinstance(event, h2.events.StreamEnded):
-                    assert event.stream_id is not None
-                    self.ended.add(event.stream_id)
-                elif isinstance(event, h2.events.StreamReset):
-                    assert event.stream_id is not None
-                    self.reset.add(event.stream_id)
-            self.flush()
 
 
 @pytest.mark.parametrize("endpoint", ["slow", "stream"])
@@ -119,14 +43,16 @@ def test_h2_stream_reset_cancels_only_that_stream(
         server.events.wait_for(doomed, "start", timeout=WATCHDOG)
         server.events.wait_for(sibling, "start", timeout=WATCHDOG)
         reset_at = client.reset_stream(doomed_stream)
+        started = endpoint == "stream"
+        scenario = f"h2-{endpoint}"
         assert_cancelled(
             server,
             doomed,
-            closed_at=reset_at,
-            response_started=endpoint == "stream",
-            latencies=latencies,
-            scenario=f"h2-{endpoint}",
+            reset_at,
+            latencies,
+            scenario,
             close="rst-stream",
+            response_started=started,
         )
         # The sibling stream on the same connection is untouched and completes.
         client.read_until_ended(sibling_stream)
@@ -144,25 +70,18 @@ def test_h2_connection_close_cancels_every_stream(server: Server, latencies: Lat
         server.events.wait_for(slow, "start", timeout=WATCHDOG)
         server.events.wait_for(stream, "start", timeout=WATCHDOG)
         closed_at = close(sock, FIN)
-    for rid, response_started, scenario in [(slow, False, "slow"), (stream, True, "stream")]:
+    for rid, started, scenario in [(slow, False, "h2-slow"), (stream, True, "h2-stream")]:
         assert_cancelled(
-            server,
-            rid,
-            closed_at=closed_at,
-            response_started=response_started,
-            latencies=latencies,
-            scenario=f"h2-{scenario}",
-            close="conn-fin",
+            server, rid, closed_at, latencies, scenario, close="conn-fin", response_started=started
         )
 
 
 def test_h2_connection_close_during_the_final_send(server: Server, latencies: Latencies) -> None:
-    """The client grants no flow-control window, so the final body waits in the server's
-    buffer; then it closes the connection. hypercorn never returns that send (its sender task
-    stops with the connection, the buffer is never drained): without the middleware the app
-    task waits in it forever (the soak found ~30 such tasks per 200 h2c requests). The
-    middleware sees the send still in flight `grace` after the disconnect and cancels the app:
-    the response never reached the client."""
+    """No flow-control window: the final body waits in the server's buffer, then the client
+    closes. hypercorn never returns that send (its sender task stops with the connection):
+    without the middleware the app task waits in it forever (the soak found ~30 per 200 h2c
+    requests). The middleware sees the send in flight `grace` after the disconnect and cancels
+    the app: the response never reached the client."""
     rid = new_id()
     with connect(server.port) as sock:
         client = H2Client(sock, server.port, window=0)
@@ -179,11 +98,5 @@ def test_h2_connection_close_during_the_final_send(server: Server, latencies: La
         assert not server.events.of(rid, "bg_done")
         return
     assert_cancelled(
-        server,
-        rid,
-        closed_at=closed_at,
-        response_started=True,
-        latencies=latencies,
-        scenario="h2-final-send",
-        close="conn-fin",
+        server, rid, closed_at, latencies, "h2-final-send", close="conn-fin", response_started=True
     )

@@ -1,0 +1,80 @@
+"""What the middleware knows of particular servers, beyond ASGI: one small adapter per need.
+
+ASGI gives no way to ask "has the server paused reading?" or to say "abort this connection".
+Two behaviours need them (docs/servers.md has the measurements):
+
+- `paused_reading(receive)`: uvicorn pauses reading while a pipelined request waits behind the
+  running one, and its `receive()` resumes reading unconditionally; a watcher calling it would
+  undo the pause (uvicorn then marks the wrong request disconnected and logs a traceback).
+- `abort(scope, receive, send)`: a started response the middleware has to cut (its deadline
+  passed) must look cut to the client, which a final empty body hides, with nothing in the
+  server's log, which returning early does not give on uvicorn and gunicorn (ERROR lines) and
+  never ends on daphne (the connection stays open).
+
+Each reads a server's own objects, found through the `receive` and `send` it passed; behind a
+middleware that wraps them, nothing is recognised and the caller does the plain ASGI thing.
+tests/servers/test_wire.py checks every adapter against the real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .types import Receive, Scope, Send
+
+__all__ = ["abort", "paused_reading"]
+
+
+def _owner(function: object) -> Any:
+    return getattr(function, "__self__", None)
+
+
+def _module(obj: object) -> str:
+    return type(obj).__module__ or ""
+
+
+def paused_reading(receive: Receive) -> bool:
+    """Whether the server paused reading with this request's body complete: uvicorn (httptools
+    and h11) does so while a pipelined request waits, and its `receive()` would resume it."""
+    cycle = _owner(receive)
+    if not _module(cycle).startswith("uvicorn."):
+        return False
+    flow = getattr(cycle, "flow", None)
+    return (
+        getattr(flow, "read_paused", False) is True and getattr(cycle, "more_body", True) is False
+    )
+
+
+async def abort(scope: Scope, receive: Receive, send: Send) -> bool:
+    """Close the connection under a started HTTP/1 response so that the client sees it cut (no
+    final chunk, or short of its Content-Length) and the server logs nothing. Returns False if
+    the server was not recognised, or the response is HTTP/2 (hypercorn offers no way to reset
+    a stream, and leaves one the app abandons open forever): then end it cleanly instead.
+
+    Per server: uvicorn, close its transport and wait for its `connection_lost` (after which it
+    logs nothing for an incomplete response); gunicorn's ASGI worker, a `CancelledError` (its
+    "client disconnected" path, logged at DEBUG); daphne, lose the connection; hypercorn (h1)
+    and granian, return without the final message.
+    """
+    if scope.get("http_version", "1.1") not in ("1.0", "1.1"):
+        return False
+    receiver = _owner(receive)
+    module = _module(receiver)
+    if module.startswith("uvicorn.") and hasattr(receiver, "transport"):
+        receiver.transport.close()
+        while not getattr(receiver, "disconnected", True):
+            await receive()  # returns once uvicorn's connection_lost ran
+        return True
+    if module == "gunicorn.asgi.protocol":
+        raise asyncio.CancelledError  # gunicorn: "request cancelled (client disconnected)"
+    if module.startswith("granian"):
+        return True
+    sender = _owner(send)
+    if _module(sender).startswith("hypercorn."):
+        return True
+    request: Any = (getattr(send, "args", None) or (None,))[0]
+    if _module(request) == "daphne.http_protocol":
+        request.transport.loseConnection()
+        return True
+    return False

@@ -1,0 +1,216 @@
+"""Cancel by id across real server processes, through a real Redis (`asgi_cancel.redis`).
+
+`uvicorn --workers 3` (the kernel spreads the connections), and two separate uvicorn processes
+standing in for two machines, each with the middleware, a registry and the broker. A cancel by
+id sent to any process's endpoint stops the right request, held by the process that answered
+or by another: its client gets the 499, the others are untouched. An unknown id answers 404
+within the bounded wait. The close-to-cancel latency across processes is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ..redis_server import RedisServer, running_redis
+from .client import connect, get, new_id, read_response, send_request
+from .runner import UVICORN_ARGS, Server, ServerSpec, command, running_server
+
+pytestmark = [pytest.mark.servers, pytest.mark.timeout(120)]
+
+TARGET = "tests.servers.cluster_app:app"
+WORKERS = 3
+THREE_WORKERS = ServerSpec("uvicorn-3-workers", command(*UVICORN_ARGS, "--workers", str(WORKERS)))
+ONE = ServerSpec("uvicorn", command(*UVICORN_ARGS))
+WATCHDOG = 10.0
+SAMPLES = 100
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def environment(redis: RedisServer) -> Iterator[None]:
+    previous = os.environ.get("ASGI_CANCEL_REDIS_URL")
+    os.environ["ASGI_CANCEL_REDIS_URL"] = redis.url
+    yield
+    if previous is None:
+        del os.environ["ASGI_CANCEL_REDIS_URL"]
+    else:
+        os.environ["ASGI_CANCEL_REDIS_URL"] = previous
+
+
+def pids(server: Server, count: int) -> set[str]:
+    """Ask `/whoami` until `count` worker processes have answered (they are all up)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + WATCHDOG * 2
+    while len(seen) < count:
+        assert time.monotonic() < deadline, f"only {len(seen)} workers answered"
+        seen.add(get(server.port, "/whoami").body.decode())
+    return seen
+
+
+@pytest.fixture(scope="module")
+def workers(
+    environment: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, set[str]]]:
+    with running_server(THREE_WORKERS, TARGET, tmp_path_factory.mktemp("workers")) as server:
+        yield server, pids(server, WORKERS)
+        server.assert_no_traceback()
+
+
+class Held:
+    """A request with its own id, held open on one connection until it is cancelled."""
+
+    def __init__(self, server: Server) -> None:
+        self.id = new_id()
+        self.sock = connect(server.port, timeout=WATCHDOG)
+        send_request(self.sock, "GET", f"/slow?id={self.id}", headers=(("X-Request-Id", self.id),))
+        self.pid = str(server.events.wait_for(self.id, "start", timeout=WATCHDOG)["pid"])
+
+    def status(self) -> int:
+        return read_response(self.sock).status
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def cancel(server: Server, request_id: str) -> tuple[int, str, float]:
+    """DELETE /requests/{id}: (status, the pid of the process that answered, seconds)."""
+    started = time.perf_counter()
+    with connect(server.port, timeout=WATCHDOG) as sock:
+        send_request(sock, "DELETE", f"/requests/{request_id}")
+        response = read_response(sock)
+    return response.status, response.headers["x-worker-pid"], time.perf_counter() - started
+
+
+def test_requests_spread_and_a_cancel_through_any_worker_stops_the_right_one(
+    workers: tuple[Server, set[str]],
+) -> None:
+    server, all_pids = workers
+    held: list[Held] = []
+    while {request.pid for request in held} != all_pids:  # until every worker holds one
+        assert len(held) < 40, "the kernel never gave a connection to every worker"
+        held.append(Held(server))
+    answered_here = answered_elsewhere = 0
+    latencies = []
+    try:
+        while len(held) < 9:
+            held.append(Held(server))
+        for victim in held[:6]:
+            status, answered_by, took = cancel(server, victim.id)
+            assert status == 202
+            assert victim.status() == 499
+            latencies.append(took)
+            if answered_by == victim.pid:
+                answered_here += 1
+            else:
+                answered_elsewhere += 1
+        # Held by the worker that answered, and by another: both were seen (6 tries, 3 workers).
+        assert answered_elsewhere > 0
+        for untouched in held[6:]:  # (at least three: every worker held one before)
+            assert server.events.of(untouched.id, "cancelled") == []
+    finally:
+        for request in held:
+            request.close()
+    print(  # noqa: T201 (pytest -s: the figures docs/at-scale.md quotes)
+        f"cancel via any of 3 workers: median {statistics.median(latencies) * 1000:.1f} ms, "
+        f"max {max(latencies) * 1000:.1f} ms ({answered_here} held by the answering worker)"
+    )
+
+
+def test_an_unknown_id_answers_404_within_the_bounded_wait(
+    workers: tuple[Server, set[str]],
+) -> None:
+    server, _ = workers
+    status, _, took = cancel(server, "nobody-" + new_id())
+    assert status == 404
+    assert took < 2.0 + 1.0  # the broker's wait (2 s here), not more
+
+
+def test_two_servers_as_two_machines(environment: None, tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with (
+        running_server(ONE, TARGET, tmp_path / "a") as a,
+        running_server(ONE, TARGET, tmp_path / "b") as b,
+    ):
+        on_a = Held(a)
+        try:
+            status, answered_by, _ = cancel(b, on_a.id)
+            assert status == 202
+            assert answered_by != on_a.pid  # b answered; a held it
+            assert on_a.status() == 499
+        finally:
+            on_a.close()
+        assert cancel(a, "unknown-" + new_id())[0] == 404
+        # Cancel -> the held client's 499, through the other server and through its own.
+        across = [cancelled_in(a, via=b) for _ in range(SAMPLES)]
+        local = [cancelled_in(a, via=a) for _ in range(SAMPLES)]
+        a.assert_no_traceback()
+        b.assert_no_traceback()
+    for name, samples in (("across processes", across), ("in the same process", local)):
+        print(  # noqa: T201 (pytest -s: the figures docs/at-scale.md quotes)
+            f"cancel by id -> 499, {name}: median {statistics.median(samples) * 1000:.2f} ms, "
+            f"p99 {statistics.quantiles(samples, n=100)[98] * 1000:.2f} ms ({SAMPLES} samples)"
+        )
+
+
+def cancelled_in(holder: Server, *, via: Server) -> float:
+    """Seconds from the cancel sent to `via` to the 499 at the client of `holder`'s request."""
+    held = Held(holder)
+    try:
+        started = time.perf_counter()
+        status, _, _ = cancel(via, held.id)
+        assert status == 202
+        assert held.status() == 499
+        return time.perf_counter() - started
+    finally:
+        held.close()
+
+
+def test_a_worker_stays_serving_while_redis_is_away(
+    workers: tuple[Server, set[str]], redis: RedisServer
+) -> None:
+    """Redis killed mid-run: no request fails or hangs, and a cancel through the worker that
+    holds the request still works (reached locally). After the restart, remote cancels work
+    again."""
+    server, _ = workers
+    redis.stop()
+    try:
+        for _ in range(10):
+            assert get(server.port, "/hello", timeout=2.0).body == b"hello"
+        held = Held(server)
+        try:
+            deadline = time.monotonic() + WATCHDOG
+            while True:  # the kernel picks the worker: until the holder itself answers
+                status, answered_by, _ = cancel(server, held.id)
+                if status == 202:
+                    assert answered_by == held.pid
+                    break
+                assert time.monotonic() < deadline
+            assert held.status() == 499
+        finally:
+            held.close()
+    finally:
+        redis.start()
+    deadline = time.monotonic() + WATCHDOG
+    while True:  # reconnected (backoff up to 5 s): a cancel reaches across again
+        again = Held(server)
+        try:
+            status, answered_by, _ = cancel(server, again.id)
+            if answered_by != again.pid and status == 202:
+                assert again.status() == 499
+                break
+        finally:
+            again.close()
+        assert time.monotonic() < deadline, "cancels never reached across after the restart"
+        time.sleep(0.2)

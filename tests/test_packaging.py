@@ -1,0 +1,95 @@
+"""The package as installed: each optional module names its extra when its dependency is missing.
+
+Each case runs in a fresh interpreter where the dependency is hidden by a finder placed first on
+`sys.meta_path`, which fails the import as a package that is not installed does, so the test
+session's own imports do not matter. That `import asgi_cancel` pulls no optional dependency is
+in test_api.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import metadata
+
+import pytest
+
+# Every third-party package an optional module or the trio driver may import.
+OPTIONAL = (
+    "aiohttp",
+    "anyio",
+    "httpx",
+    "opentelemetry",
+    "prometheus_client",
+    "redis",
+    "starlette",
+    "trio",
+    "vllm",
+)
+
+
+# Raises what importing a package that is not installed raises: ModuleNotFoundError naming the
+# top-level package (`import redis.asyncio` fails on `redis`).
+HIDE = """
+import sys
+
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def run_hidden(hidden: tuple[str, ...], body: str) -> str:
+    """Run `body` in a fresh interpreter with `hidden` not importable; return its stdout."""
+    code = f"HIDDEN = {hidden!r}\n{HIDE}\n{body}"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    ("module", "hidden", "extra"),
+    [
+        ("asgi_cancel.aiohttp", "aiohttp", "aiohttp"),
+        ("asgi_cancel.httpx", "httpx", "httpx"),
+        ("asgi_cancel.httpx", "anyio", "httpx"),
+        ("asgi_cancel.prometheus", "prometheus_client", "prometheus"),
+        ("asgi_cancel.redis", "redis", "redis"),
+        ("asgi_cancel.otel", "opentelemetry", "otel"),
+        ("asgi_cancel.testing", "anyio", "testing"),
+    ],
+    ids=[
+        "aiohttp",
+        "httpx-without-httpx",
+        "httpx-without-anyio",
+        "prometheus",
+        "redis",
+        "otel",
+        "testing",
+    ],
+)
+def test_optional_module_without_its_dependency_names_its_extra(
+    module: str, hidden: str, extra: str
+) -> None:
+    body = (
+        f"try:\n    import {module}\n"
+        "except ImportError as exc:\n    print(exc)\n"
+        f"else:\n    raise SystemExit('{module} imported without {hidden}')\n"
+    )
+    message = run_hidden((hidden,), body)
+    assert message.startswith(f"{module} needs ")
+    assert f"({hidden} is missing)" in message
+    assert message.endswith(f"pip install 'asgi-cancel[{extra}]'")
+    assert extra in (metadata("asgi-cancel").get_all("Provides-Extra") or [])
+
+
+def test_modules_that_need_no_extra_import_with_every_optional_dependency_missing() -> None:
+    # asgi_cancel.vllm takes any engine with generate() and abort(): vLLM is needed at use only.
+    body = "import asgi_cancel, asgi_cancel.types, asgi_cancel.vllm\nprint('ok')"
+    assert run_hidden(OPTIONAL, body) == "ok"

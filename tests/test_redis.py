@@ -1,0 +1,296 @@
+"""`asgi_cancel.redis.RedisBroker` against a real Redis: cancels by id between processes.
+
+Each "process" here is an event loop in a thread with its own `CancelRegistry` and broker on
+the same Redis and channel (tests/servers/test_cluster.py runs real server processes). What is
+checked: a cancel through any node stops the request wherever it runs and says so; an unknown
+id is answered at once; a cancel that arrives before its request stops it when it comes; and
+faults (Redis away at start, killed mid-run and restarted, slow, hostile messages) never harm a
+request, keep local cancels working and are logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
+from asgi_cancel.redis import RedisBroker
+from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.types import Receive, Scope, Send
+
+from .redis_server import RedisServer, running_redis
+from .servers.process import free_port
+
+WATCHDOG = 10.0
+
+
+class Node:
+    """One process of a deployment: an event loop in a thread, a registry, a broker."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.name = name
+        self.broker = RedisBroker(url, wait=1.0, connect_timeout=0.3)
+        self.registry = CancelRegistry(broker=self.broker, remember=2.0)
+        self.events: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.run(self._start())
+
+    async def _start(self) -> None:
+        self.registry.started()
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(WATCHDOG)
+
+    def wait_connected(self, connected: bool = True) -> None:
+        deadline = time.monotonic() + WATCHDOG
+        while self.broker.connected is not connected:
+            assert time.monotonic() < deadline, f"{self.name}: broker connected != {connected}"
+            time.sleep(0.01)
+
+    def start_request(self, request_id: str) -> Future[ClientConnection]:
+        """A request with `request_id` that sleeps until cancelled (its app records how)."""
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            self.events.append(f"{request_id} started")
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.events.append(f"{request_id} cancelled")
+                raise
+
+        async def serve() -> ClientConnection:
+            conn = ClientConnection()
+            scope = http_scope(headers=[(b"x-request-id", request_id.encode())])
+            middleware = CancelOnDisconnectMiddleware(app, registry=self.registry)
+            await asyncio.wait_for(conn.run(middleware, scope), WATCHDOG)
+            return conn
+
+        return asyncio.run_coroutine_threadsafe(serve(), self.loop)
+
+    def wait_registered(self, request_id: str) -> None:
+        deadline = time.monotonic() + WATCHDOG
+        while request_id not in self.registry:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    def acancel(self, request_id: str) -> tuple[bool, float]:
+        started = time.perf_counter()
+        held = self.run(self.registry.acancel(request_id))
+        return held, time.perf_counter() - started
+
+    def close(self) -> None:
+        self.run(self.broker.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(WATCHDOG)
+        self.loop.close()
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_redis(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture
+def nodes(redis: RedisServer) -> Iterator[list[Node]]:
+    made = [Node(redis.url, name) for name in ("a", "b", "c")]
+    for node in made:
+        node.wait_connected()
+    yield made
+    for node in made:
+        node.close()
+
+
+def test_a_cancel_through_any_process_stops_the_request_where_it_runs(nodes: list[Node]) -> None:
+    a, b, c = nodes
+    request = b.start_request("req-b")
+    b.wait_registered("req-b")
+    held, _ = a.acancel("req-b")
+    assert held is True
+    conn = request.result(WATCHDOG)
+    assert conn.status == 499
+    assert b.events == ["req-b started", "req-b cancelled"]
+    assert a.events == c.events == []
+
+
+def test_an_id_no_process_holds_is_answered_as_soon_as_all_said_no(nodes: list[Node]) -> None:
+    a, _, _ = nodes
+    held, took = a.acancel("nobody-has-it")
+    assert held is False
+    assert took < a.broker.wait  # every other process answered; no waiting for the bound
+
+
+def test_a_cancel_that_arrives_before_its_request_stops_it_when_it_comes(
+    nodes: list[Node],
+) -> None:
+    a, b, _ = nodes
+    held, _ = a.acancel("early")
+    assert held is False  # nothing held it yet: 404 from the endpoint
+    conn = b.start_request("early").result(WATCHDOG)
+    assert conn.status == 499  # ... but it is stopped as it arrives, its app never runs
+    assert b.events == []
+    time.sleep(b.registry.remember + 0.1)
+    later = b.start_request("early")
+    b.wait_registered("early")  # remembered no longer: a new request with the id runs
+    assert b.acancel("early")[0] is True
+    assert later.result(WATCHDOG).status == 499
+
+
+def test_hostile_messages_on_the_channel_are_ignored(nodes: list[Node], redis: RedisServer) -> None:
+    a, b, _ = nodes
+    request = b.start_request("target")
+    b.wait_registered("target")
+    junk = [
+        b"not json",
+        b"x" * 100_000,
+        json.dumps({"v": 1, "op": "cancel", "id": "../target", "from": "x", "nonce": ""}).encode(),
+        json.dumps({"v": 1, "op": "cancel", "id": "t" * 201, "from": "x", "nonce": ""}).encode(),
+        json.dumps({"v": 2, "op": "cancel", "id": "target", "from": "x", "nonce": ""}).encode(),
+        json.dumps(["cancel", "target"]).encode(),
+    ]
+    for data in junk:
+        publish(redis, "asgi-cancel", data)
+    time.sleep(0.2)
+    assert "target" in b.registry  # still running: nothing of that was a cancel of ours
+    assert a.acancel("target")[0] is True  # and the broker still works
+    assert request.result(WATCHDOG).status == 499
+
+
+def publish(redis: RedisServer, channel: str, data: bytes) -> None:
+    """PUBLISH over a raw socket (RESP), as anyone who can reach Redis could."""
+    parts = [b"PUBLISH", channel.encode(), data]
+    command = b"*3\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
+    with socket.create_connection(("127.0.0.1", redis.port), timeout=5) as sock:
+        sock.sendall(command)
+        assert sock.recv(64).startswith(b":")
+
+
+def test_redis_unreachable_at_start_keeps_local_cancels_working(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="asgi_cancel")
+    node = Node(f"redis://127.0.0.1:{free_port()}/0", "alone")
+    try:
+        time.sleep(0.5)  # a few reconnect attempts
+        assert node.broker.connected is False
+        request = node.start_request("local")
+        node.wait_registered("local")
+        held, took = node.acancel("local")
+        assert held is True
+        assert request.result(WATCHDOG).status == 499
+        held, took = node.acancel("unknown")
+        assert held is False
+        assert took < 0.1  # Redis away: no waiting for answers that cannot come
+    finally:
+        node.close()
+    unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(unreachable) == 1  # once per outage, not per attempt or per request
+
+
+def test_redis_killed_then_restarted_cancels_reach_across_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="asgi_cancel")
+    redis = RedisServer(tmp_path)
+    redis.start()
+    a, b = Node(redis.url, "a"), Node(redis.url, "b")
+    try:
+        a.wait_connected()
+        b.wait_connected()
+        redis.stop()  # killed mid-run
+        a.wait_connected(False)
+        b.wait_connected(False)
+        request = b.start_request("during-outage")  # requests still run and are cancellable
+        b.wait_registered("during-outage")
+        assert b.acancel("during-outage")[0] is True
+        assert request.result(WATCHDOG).status == 499
+        assert a.acancel("elsewhere")[0] is False  # remote: not reachable, answered at once
+        redis = RedisServer(tmp_path, port=redis.port)
+        redis.start()  # restarted: the brokers reconnect by themselves
+        a.wait_connected()
+        b.wait_connected()
+        request = b.start_request("after-restart")
+        b.wait_registered("after-restart")
+        assert a.acancel("after-restart")[0] is True
+        assert request.result(WATCHDOG).status == 499
+    finally:
+        a.close()
+        b.close()
+        redis.stop()
+    messages = [r.getMessage() for r in caplog.records if r.name == "asgi_cancel"]
+    assert sum("unreachable" in m for m in messages) == 2, messages  # once per broker
+    assert sum("reachable again" in m for m in messages) == 2
+
+
+class DelayingProxy:
+    """A TCP proxy to Redis that holds every chunk `delay` seconds: a slow Redis."""
+
+    def __init__(self, target: int, delay: float) -> None:
+        self.target, self.delay = target, delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                time.sleep(self.delay)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            source.close()
+            sink.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_slow_redis_never_slows_a_request_that_is_not_cancelled(redis: RedisServer) -> None:
+    proxy = DelayingProxy(redis.port, delay=1.0)
+    node = Node(f"redis://127.0.0.1:{proxy.port}/0", "slow")
+    try:
+
+        async def hello(scope: Scope, receive: Receive, send: Send) -> None:
+            await asyncio.sleep(0.001)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        async def serve_many() -> float:
+            middleware = CancelOnDisconnectMiddleware(hello, registry=node.registry)
+            started = time.perf_counter()
+            for index in range(50):
+                conn = ClientConnection()
+                scope = http_scope(headers=[(b"x-request-id", b"r%d" % index)])
+                await conn.run(middleware, scope)
+                assert conn.status == 200
+            return time.perf_counter() - started
+
+        # 50 requests, each registered and unregistered with the broker on a 1 s-per-chunk
+        # Redis: they take no longer than a few milliseconds each, as without a broker.
+        assert node.run(serve_many()) < 1.0
+    finally:
+        node.close()
+        proxy.close()
