@@ -98,7 +98,7 @@ timeout 300 "$PY" -m example_app.tiny_model "$ASGI_CANCEL_TINY_MODEL"
 took "model"
 
 step "tests"
-tests=(tests/vllm tests/test_vllm_adapter.py tests/test_vllm_with_cancellation.py)
+tests=(tests/vllm tests/test_vllm_adapter.py)
 # The example app's real-vLLM test runs only here too (its own engine, after ours).
 [ -f example_app/tests/test_vllm_engine.py ] && tests+=(example_app/tests/test_vllm_engine.py)
 report="$(mktemp "${TMPDIR:-/tmp}/asgi-cancel-vllm-report.XXXXXX.json")"

@@ -1,15 +1,33 @@
-"""Tiny ASGI apps and server stand-ins shared by the ASGI-level tests."""
+"""Tiny ASGI apps, server stand-ins and watchdog'd waits shared by the ASGI-level tests.
+
+All loop-agnostic (anyio): the tests that use them run on asyncio and on trio alike.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import contextvars
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
-from asgi_cancel.testing import http_scope
+import anyio
+import pytest
+import sniffio
+
+from asgi_cancel import current_token
+from asgi_cancel.testing import ClientConnection
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
 WATCHDOG = 5.0
+DISCONNECT: Message = {"type": "http.disconnect"}
+REQUEST_DONE: Message = {"type": "http.request", "body": b"", "more_body": False}
+# What the middleware completes a cancelled HTTP/1.1 request with, for an outer middleware.
+CANCELLED_RESPONSE = [
+    {"type": "http.response.start", "status": 499, "headers": []},
+    {"type": "http.response.body", "body": b"", "more_body": False},
+]
+T = TypeVar("T")
 
 
 async def read_body(receive: Receive) -> bytes:
@@ -27,90 +45,74 @@ async def respond(send: Send, body: bytes = b"ok", status: int = 200) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def slow_app(events: list[str], *, seconds: float = 30.0, read: bool = True) -> ASGIApp:
-    """Reads the body (or not), then sleeps; records how it ended."""
+def slow_app(
+    events: list[str],
+    *,
+    seconds: float = 30.0,
+    read: bool = True,
+    stream: bool = False,
+    callback: bool = False,
+) -> ASGIApp:
+    """Reads the body (or not), maybe starts a stream, sleeps, then responds; records
+    `body:<body>`, `callback:<reason>` (an `on_cancel` callback, with `callback=True`) and how
+    it ended: `cancelled` or `finished`."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if callback:
+            token = current_token()
+            token.on_cancel(lambda: events.append(f"callback:{token.reason}"))
         if read:
             events.append("body:" + (await read_body(receive)).decode())
         try:
-            await asyncio.sleep(seconds)
-        except asyncio.CancelledError:
+            if stream:
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+            await anyio.sleep(seconds)
+        except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
-        await respond(send)
         events.append("finished")
-
-    return app
-
-
-def streaming_app(events: list[str], *, chunks: int = 1000, interval: float = 0.005) -> ASGIApp:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        try:
-            for index in range(chunks):
-                await send(
-                    {"type": "http.response.body", "body": b"%d\n" % index, "more_body": True}
-                )
-                await asyncio.sleep(interval)
-        except asyncio.CancelledError:
-            events.append("cancelled")
-            raise
-        await send({"type": "http.response.body", "body": b""})
-        events.append("finished")
+        if not stream:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
 
     return app
 
 
 class QueueServer:
-    """A hypercorn-like server side: body messages queued, one disconnect, then blocks forever."""
+    """A hypercorn-like server side: the messages put in, in order, then it blocks forever."""
 
     def __init__(self, *messages: Message) -> None:
-        self.queue: asyncio.Queue[Message] = asyncio.Queue()
-        for message in messages:
-            self.queue.put_nowait(message)
+        self.messages: deque[Message] = deque(messages)
+        self._arrived: anyio.Event | None = None
         self.sent: list[Message] = []
         self.receive_calls = 0
 
     async def receive(self) -> Message:
         self.receive_calls += 1
-        return await self.queue.get()
+        while not self.messages:  # cancelled while waiting, nothing is lost
+            self._arrived = self._arrived or anyio.Event()
+            await self._arrived.wait()
+        return self.messages.popleft()
 
     async def send(self, message: Message) -> None:
         self.sent.append(message)
 
+    def put(self, message: Message) -> None:
+        self.messages.append(message)
+        if self._arrived is not None:
+            self._arrived.set()
+            self._arrived = None
+
     def disconnect(self) -> None:
-        self.queue.put_nowait({"type": "http.disconnect"})
+        self.put(DISCONNECT)
 
-
-async def receive_once(receive: Receive) -> Message:
-    """`receive()` as a coroutine, for asyncio.create_task()."""
-    return await receive()
-
-
-async def until(predicate: Callable[[], bool], *, timeout: float = WATCHDOG) -> None:
-    """Yield to the loop until `predicate()` holds; fail the test after `timeout` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"watchdog: condition not met within {timeout} s")
-        await asyncio.sleep(0.001)
-
-
-async def with_watchdog(awaitable: Awaitable[object], timeout: float = WATCHDOG) -> object:
-    return await asyncio.wait_for(awaitable, timeout)
-
-
-async def run_capturing(
-    app: ASGIApp, receive: Receive, send: Send, scope: Scope | None = None
-) -> BaseException | None:
-    """Run the middleware-wrapped `app` like a server task; return what escaped, if anything."""
-    try:
-        await app(scope if scope is not None else http_scope(), receive, send)
-    except BaseException as exc:  # the test inspects it
-        return exc
-    return None
+    async def feed(self, chunks: list[bytes], interval: float) -> None:
+        """The client uploads `chunks`, one every `interval` seconds."""
+        for index, chunk in enumerate(chunks):
+            more = index < len(chunks) - 1
+            self.put({"type": "http.request", "body": chunk, "more_body": more})
+            await anyio.sleep(interval)
 
 
 class KeepAliveServer:
@@ -121,8 +123,100 @@ class KeepAliveServer:
         self.kept: list[contextvars.Context] = []
 
     async def receive(self) -> Message:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return REQUEST_DONE
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             self.kept.append(contextvars.copy_context())
+
+
+async def receive_into(messages: list[Message], receive: Receive) -> None:
+    """One `receive()`, for a task of its own."""
+    messages.append(await receive())
+
+
+async def until(predicate: Callable[[], bool], *, interval: float = 0.001) -> None:
+    """Check `predicate()` every `interval` seconds (0: every loop iteration) until it holds;
+    fail the test after `WATCHDOG` seconds (a caller's `fail_after` may say sooner)."""
+    with anyio.fail_after(WATCHDOG):
+        while not predicate():  # noqa: ASYNC110 (conditions on foreign state, polled)
+            await anyio.sleep(interval)
+
+
+async def with_watchdog(awaitable: Awaitable[T]) -> T:
+    with anyio.fail_after(WATCHDOG):
+        return await awaitable
+
+
+def watching(conn: ClientConnection) -> bool:
+    """Someone (the app or the middleware's watcher) waits in `receive()` after the body."""
+    return conn.receive_calls >= 2
+
+
+async def leave(
+    app: ASGIApp,
+    conn: ClientConnection | None = None,
+    scope: Scope | None = None,
+    *,
+    when: Callable[[], bool] | None = None,
+    interval: float = 0.001,
+) -> ClientConnection:
+    """Run `app` for a client (`conn`, a fresh one by default) that leaves once `when()` holds
+    (by default once the connection is `watching`; checked as `until` does); return when the
+    app has finished, with what escaped it in `conn.app_exception`."""
+    conn = conn if conn is not None else ClientConnection()
+    ready = when if when is not None else lambda: watching(conn)
+    with anyio.fail_after(WATCHDOG):
+        async with anyio.create_task_group() as group:
+            group.start_soon(run_quietly, conn, app, scope)
+            await until(ready, interval=interval)
+            conn.disconnect()
+    return conn
+
+
+@contextlib.asynccontextmanager
+async def running(app: ASGIApp, scope: Scope | None = None) -> AsyncIterator[ClientConnection]:
+    """`app` serving one request for a client that stays while the block runs; the block's end
+    waits for the app (watchdog'd)."""
+    conn = ClientConnection()
+    with anyio.fail_after(WATCHDOG):
+        async with anyio.create_task_group() as group:
+            group.start_soon(conn.run, app, scope)
+            yield conn
+
+
+@contextlib.asynccontextmanager
+async def serving(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> AsyncIterator[None]:
+    """`app` called as a server would, running while the block runs; the block's end waits for
+    it (watchdog'd)."""
+    with anyio.fail_after(WATCHDOG):
+        async with anyio.create_task_group() as group:
+            group.start_soon(call, app, scope, receive, send)
+            yield
+
+
+async def call(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    await app(scope, receive, send)
+
+
+async def run_quietly(conn: ClientConnection, app: ASGIApp, scope: Scope | None = None) -> None:
+    """`conn.run(app)`, its exception left in `conn.app_exception` rather than raised."""
+    with contextlib.suppress(Exception):
+        await conn.run(app, scope)
+
+
+def cleanup_scope() -> anyio.CancelScope:
+    """Where a cancelled app's cleanup awaits: shielded on trio, whose cancellation is
+    level-triggered; not on asyncio, where it is one `Task.cancel()` and the cleanup must not
+    be cancelled again."""
+    return anyio.CancelScope(shield=sniffio.current_async_library() == "trio")
+
+
+def xfail_on(loop: str, request: pytest.FixtureRequest, when: bool = True, *, reason: str) -> None:
+    """A strict xfail for this test on one loop (`when` narrows it to some of its parameters)."""
+    on_loop = request.node.callspec.params["anyio_backend"] == loop
+    request.applymarker(pytest.mark.xfail(on_loop and when, strict=True, reason=reason))
+
+
+def tasks_alive() -> int:
+    return len(anyio.get_running_tasks())

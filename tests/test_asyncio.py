@@ -1,42 +1,131 @@
-"""The asyncio driver: outside cancellations (server shutdown) meeting ours, Task.uncancel(),
-no task left behind, and a finished request's objects freed by refcount alone.
+"""The asyncio driver (`_asyncio.py`): ONE `Task.cancel()` (DESIGN.md line 5), outside
+cancellations (a server's shutdown: `Task.cancel()` on the request's task) meeting ours,
+`Task.uncancel()`, the app's first step taken by hand, vLLM's `with_cancellation` shape (the
+grace period's extra loop iterations), and a finished request freed by reference counting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token, shield
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
 from .helpers import (
+    QueueServer,
+    leave,
     read_body,
     respond,
-    run_capturing,
     until,
+    watching,
     with_watchdog,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only(reason="the asyncio driver's own")]
+
+NO_CANCELLING_ON_3_10 = "Python 3.10 has no Task.cancelling()/uncancel(): "
+NEEDS_CANCELLING = pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.uncancel(): 3.11+")
 
 
-NEEDS_UNCANCEL = pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="Task.cancelling()/uncancel() need Python 3.11"
+async def serve(app: ASGIApp, conn: ClientConnection) -> str:
+    """A server's request task: how the middleware's call ended, and whether the task was
+    left cancelling (a TaskGroup later in it would report CancelledError instead of its
+    child's error: TaskGroup.__aexit__ checks `uncancel() == 0`)."""
+    try:
+        await CancelOnDisconnectMiddleware(app)(http_scope(), conn.receive, conn.send)
+        outcome = "returned"
+    except asyncio.CancelledError:
+        return "CancelledError"
+    except RuntimeError as exc:
+        outcome = f"raised {exc}"
+    await asyncio.sleep(0)  # the server carries on in the same task (hypercorn: send(None))
+    task = asyncio.current_task()
+    assert task is not None
+    if sys.version_info >= (3, 11):
+        return f"{outcome}, cancelling={task.cancelling()}"
+    return f"{outcome}, cancelling=0"  # 3.10 cannot tell
+
+
+async def serve_and_leave(app: ASGIApp, conn: ClientConnection | None = None) -> str:
+    conn = conn if conn is not None else ClientConnection()
+    task = asyncio.create_task(serve(app, conn))
+    await until(lambda: watching(conn))
+    conn.disconnect()
+    return await with_watchdog(task)
+
+
+# -- 5. one Task.cancel() -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "then", ["reraises", "swallows", pytest.param("raises-an-error", marks=NEEDS_CANCELLING)]
 )
+async def test_the_cancellation_is_one_task_cancel(then: str) -> None:
+    """Edge-triggered: `except CancelledError: await engine.abort()` and `finally:` run to
+    completion; an app that swallows it finishes its work, never cancelled a second time; one
+    that turns it into an error does not leave the server's task cancelling."""
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            for _ in range(3):
+                await asyncio.sleep(0.005)  # an engine abort: must not be cancelled again
+            events.append("abort done")
+            if then == "raises-an-error":
+                raise RuntimeError("client went away") from None
+            if then == "reraises":
+                raise
+        finally:
+            await asyncio.sleep(0.005)
+            events.append("finally done")
+        events.append("finished anyway")
+        await respond(send)  # dropped
+
+    conn = ClientConnection()
+    outcome = "raised client went away" if then == "raises-an-error" else "returned"
+    assert await serve_and_leave(app, conn) == f"{outcome}, cancelling=0"
+    swallowed = ["finished anyway"] if then == "swallows" else []
+    assert events == ["abort done", "finally done", *swallowed]
+    assert conn.sent == []
 
 
+async def test_shield_exit_then_dropped_response_does_not_leak_a_cancel_to_the_server() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        token = current_token()
+        with shield():
+            await until(lambda: token.cancelled)  # a commit that spans the disconnect
+        await respond(send)  # the client is gone: both sends are dropped, neither suspends
+
+    assert await serve_and_leave(app) == "returned, cancelling=0"
+
+
+# -- outside cancellations: Task.cancel() on the request's task ---------------------------------
 @pytest.mark.xfail(
     sys.version_info < (3, 11),
     strict=True,
-    reason="Python 3.10 has no Task.cancelling(): an outside cancellation in progress cannot be "
-    "seen, so the disconnect's cancel lands on top of its cleanup",
+    reason=NO_CANCELLING_ON_3_10 + "an outside cancellation that arrives while the app handles "
+    "ours is absorbed (bug: tagging our cancel with a message would tell them apart), and one "
+    "in progress cannot be seen, so the disconnect's cancel lands on top of its cleanup",
 )
-async def test_disconnect_during_outside_cancellation_does_not_interrupt_its_cleanup() -> None:
+@pytest.mark.parametrize(
+    ("first", "cleanup"),
+    [("disconnect", "cleanup interrupted"), ("shutdown", "cleanup done")],
+    ids=["shutdown-during-our-cancellation", "disconnect-during-a-shutdown"],
+)
+async def test_outside_and_own_cancellation_together(first: str, cleanup: str) -> None:
+    """The server's cancellation propagates and may cut the cleanup; ours never cuts the
+    cleanup of the server's."""
     events: list[str] = []
     cleanup_started = asyncio.Event()
 
@@ -55,19 +144,16 @@ async def test_disconnect_during_outside_cancellation_does_not_interrupt_its_cle
             raise
 
     conn = ClientConnection()
-    task = asyncio.create_task(
-        run_capturing(CancelOnDisconnectMiddleware(app), conn.receive, conn.send)
-    )
-    await until(lambda: conn.receive_calls >= 2)
-    task.cancel()  # server shutdown cancels the request task ...
+    task = asyncio.create_task(serve(app, conn))
+    await until(lambda: watching(conn))
+    steps: list[Callable[[], object]] = [conn.disconnect, task.cancel]  # leave; shut down
+    if first == "shutdown":
+        steps.reverse()
+    steps[0]()
     await with_watchdog(cleanup_started.wait())
-    conn.disconnect()  # ... and closes the connection while the app cleans up
-    try:
-        escaped = await with_watchdog(task)
-    except asyncio.CancelledError:
-        escaped = asyncio.CancelledError()  # run_capturing's own task got the cancel
-    assert events == ["cleanup done"]
-    assert isinstance(escaped, asyncio.CancelledError)
+    steps[1]()  # while the app cleans up
+    assert await with_watchdog(task) == "CancelledError"
+    assert events == [cleanup]
 
 
 async def test_outside_cancel_during_finish_leaves_no_task_behind() -> None:
@@ -88,96 +174,48 @@ async def test_outside_cancel_during_finish_leaves_no_task_behind() -> None:
 
     before = asyncio.all_tasks()
     conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: conn.receive_calls >= 2)
+    task = asyncio.create_task(serve(app, conn))
+    await until(lambda: watching(conn))
     conn.disconnect()
     await until(lambda: events == ["cancelled"])
-    await asyncio.sleep(0.01)  # __call__ is now in finish(), waiting for abort()
+    await asyncio.sleep(0.01)  # __call__ now waits for abort() before it returns
     task.cancel()  # server shutdown
-    with pytest.raises(asyncio.CancelledError):
-        await with_watchdog(task)
     try:
-        left = asyncio.all_tasks() - before
-        assert left == set()
+        assert await with_watchdog(task) == "CancelledError"
+        assert asyncio.all_tasks() - before == set()
     finally:
         release.set()
         await asyncio.sleep(0.01)
 
 
-@NEEDS_UNCANCEL
-async def test_app_turning_our_cancel_into_an_error_leaves_the_task_uncancelled() -> None:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            raise RuntimeError("client went away") from None
+# -- the first step taken by hand; freed by reference counting ----------------------------------
+async def test_fast_request_creates_no_task() -> None:
+    created: list[object] = []
+    loop = asyncio.get_running_loop()
 
-    conn = ClientConnection()
-
-    async def server_task() -> str:
-        try:
-            await CancelOnDisconnectMiddleware(app)(http_scope(), conn.receive, conn.send)
-        except RuntimeError:
-            pass
-        # Visible effect: a TaskGroup later in this task reports CancelledError instead of
-        # the child's error (TaskGroup.__aexit__ checks `uncancel() == 0`).
-        task = asyncio.current_task()
-        assert task is not None
-        if sys.version_info >= (3, 11):
-            return f"cancelling={task.cancelling()}"
-        return "cancelling=0"  # pragma: no cover (skipped before 3.11)
-
-    task = asyncio.create_task(server_task())
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    assert await with_watchdog(task) == "cancelling=0"
-
-
-async def test_app_swallowing_our_cancel_is_not_cancelled_again() -> None:
-    """Edge-triggered: one Task.cancel(); an app that swallows it finishes its work."""
-    events: list[str] = []
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        created.append(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            events.append("cancelled once")
-        for _ in range(5):
-            await asyncio.sleep(0.005)  # keeps running: must not be cancelled a second time
-        events.append("finished anyway")
-        await respond(send)  # dropped
+        await respond(send)
 
-    conn = ClientConnection()
-
-    async def server_task() -> int:
-        await CancelOnDisconnectMiddleware(app)(http_scope(), conn.receive, conn.send)
-        await asyncio.sleep(0)  # no cancellation left pending in the server's task
-        task = asyncio.current_task()
-        assert task is not None
-        if sys.version_info >= (3, 11):
-            return task.cancelling()
-        return 0
-
-    task = asyncio.create_task(server_task())
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    assert await with_watchdog(task) == 0
-    assert events == ["cancelled once", "finished anyway"]
-    assert conn.sent == []
+    server = QueueServer({"type": "http.request", "body": b"hi", "more_body": False})
+    middleware = CancelOnDisconnectMiddleware(app)
+    loop.set_task_factory(factory)
+    try:
+        await middleware(http_scope("POST"), server.receive, server.send)
+    finally:
+        loop.set_task_factory(None)
+    assert created == []
+    assert [m["type"] for m in server.sent] == ["http.response.start", "http.response.body"]
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        "/fast",
-        "/cancelled",
-        "/slow",
-    ],
-)
+@pytest.mark.parametrize("path", ["/fast", "/cancelled", "/slow"])
 async def test_finished_requests_cycle_is_freed_by_refcount(path: str) -> None:
-    """No batch, timer, watcher or callback keeps a finished request's cycle alive."""
+    """No timer, watcher or callback keeps a finished request's cycle alive. (On trio the
+    finished cycle waits for the garbage collector.)"""
     tokens: list[CancelToken] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -190,17 +228,14 @@ async def test_finished_requests_cycle_is_freed_by_refcount(path: str) -> None:
         await respond(send)
 
     async def one_request() -> None:  # its locals are gone when it returns
-        conn = ClientConnection()
-        task = asyncio.create_task(
-            conn.run(CancelOnDisconnectMiddleware(app), http_scope(path=path))
-        )
+        middleware = CancelOnDisconnectMiddleware(app)
         if path == "/cancelled":
-            await until(lambda: conn.receive_calls >= 2)
-            conn.disconnect()
-        await with_watchdog(task)
+            await leave(middleware, scope=http_scope(path=path))
+        else:
+            await with_watchdog(ClientConnection().run(middleware, http_scope(path=path)))
 
     await one_request()
-    await asyncio.sleep(0.01)  # the batched call_soon has run
+    await asyncio.sleep(0.01)  # the timers have run
     gc.disable()
     try:
         # getrefcount: the list's reference and the argument's, nothing else (computed
@@ -211,36 +246,96 @@ async def test_finished_requests_cycle_is_freed_by_refcount(path: str) -> None:
         gc.enable()
 
 
-@pytest.mark.xfail(
-    sys.version_info < (3, 11),
-    strict=True,
-    reason="bug (3.10): without Task.uncancel() an outside cancellation that arrives while the "
-    "app handles ours is absorbed; tagging our cancel with a message would tell them apart",
-)
-async def test_outside_cancellation_during_our_cancellation_propagates_on_every_python() -> None:
-    started = asyncio.Event()
+# -- 9/10. apps that cancel their own handler task -----------------------------------------------
+def self_cancelling_app(
+    outcome: dict[str, Any], shape: str, *, cleanup: float = 0.0, watcher_reads: bool = False
+) -> ASGIApp:
+    """The handler and a disconnect listener in tasks of their own, the first to end cancelling
+    the other: Django 5 then awaits the handler, Quart gathers both, and vLLM's
+    `with_cancellation` (vllm/entrypoints/utils.py) awaits nothing: its
+    `asyncio.wait(FIRST_COMPLETED)` does not cancel the tasks it waits on when the wrapper itself
+    is cancelled, so the middleware must not cancel the wrapper before it has cancelled them."""
+
+    async def handler() -> None:
+        try:
+            await asyncio.sleep(30)  # the engine generates
+        except asyncio.CancelledError:
+            outcome["handler"] = "cancelled"
+            await asyncio.sleep(cleanup)  # cleanup that awaits, maybe longer than `grace`
+            outcome["cleanup"] = "done"
+            raise
+
+    async def listen(receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
+        if watcher_reads:
+            # Some await between the body and the handler (a dependency, validation): the
+            # middleware's watcher holds the server's receive before the listener asks.
+            await asyncio.sleep(0.02)
+        handler_task = outcome["handler_task"] = asyncio.create_task(handler())
+        listener = asyncio.create_task(listen(receive))
         try:
-            await asyncio.sleep(30)
+            done, pending = await asyncio.wait(
+                [handler_task, listener], return_when=asyncio.FIRST_COMPLETED
+            )
         except asyncio.CancelledError:
-            started.set()
-            await asyncio.sleep(0.05)
+            outcome["app"] = "cancelled while waiting"
             raise
+        for task in pending:
+            task.cancel()
+        if shape == "django":
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler_task
+        elif shape == "quart":
+            await asyncio.gather(handler_task, listener, return_exceptions=True)
+        outcome["app"] = "handler done" if handler_task in done else "disconnect won"
+        await respond(send, b"null")  # FastAPI would serialise vLLM's None: dropped
 
-    conn = ClientConnection()
+    return app
 
-    async def server_task() -> str:
-        try:
-            await CancelOnDisconnectMiddleware(app)(http_scope(), conn.receive, conn.send)
-        except asyncio.CancelledError:
-            return "propagated"
-        return "absorbed"
 
-    task = asyncio.create_task(server_task())
-    await until(lambda: conn.receive_calls >= 2)
+@NEEDS_CANCELLING
+@pytest.mark.parametrize("shape", ["django", "quart"])
+async def test_app_cancelling_its_own_handler_gets_no_second_cancellation(shape: str) -> None:
+    outcome: dict[str, Any] = {}
+    app = self_cancelling_app(outcome, shape, cleanup=0.3)
+    conn = await leave(CancelOnDisconnectMiddleware(app, grace=0.02))
+    # The 0.3 s cleanup outlived the 0.02 s grace and completed; the middleware returned
+    # only after the app had finished.
+    assert outcome["handler_task"].done()
+    assert (outcome["handler"], outcome["cleanup"], outcome["app"]) == (
+        "cancelled",
+        "done",
+        "disconnect won",
+    )
+    assert conn.app_exception is None
+
+
+@pytest.mark.parametrize("busy_loop_for", [0.0, 0.3], ids=["idle-loop", "busy-loop"])
+@pytest.mark.parametrize("watcher_reads", [False, True], ids=["listener-reads", "watcher-reads"])
+async def test_with_cancellation_gets_the_disconnect_first_and_nothing_is_orphaned(
+    busy_loop_for: float, watcher_reads: bool
+) -> None:
+    """A loop busier than `grace` when the client leaves (another request, a large batch of
+    engine outputs, a GC pause) still leaves the wrapper the loop iterations it needs to
+    cancel its handler task before the middleware would cancel the wrapper."""
+    outcome: dict[str, Any] = {}
+    conn = ClientConnection(b"{}")
+    app = self_cancelling_app(outcome, "vllm", watcher_reads=watcher_reads)
+    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app), http_scope("POST")))
+    await until(lambda: "handler_task" in outcome)
     conn.disconnect()
-    await with_watchdog(started.wait())
-    task.cancel()  # the server shuts down while the app cleans up after the disconnect
-    assert await with_watchdog(task) == "propagated"
+    if busy_loop_for:  # ready in the same loop iteration as the disconnect
+        asyncio.get_running_loop().call_soon(time.sleep, busy_loop_for)
+    await with_watchdog(task)
+    await asyncio.sleep(0.05)
+    handler_task = outcome["handler_task"]
+    orphaned = not handler_task.done()
+    handler_task.cancel()
+    assert not orphaned, outcome
+    assert (outcome["app"], outcome["handler"]) == ("disconnect won", "cancelled")
+    assert conn.sent == []
+    assert conn.app_exception is None

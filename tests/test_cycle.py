@@ -1,12 +1,19 @@
-"""One request's states through the middleware: reading the body, watching for the disconnect,
-the response complete, cancelled. Odd message orders and receive() hand-offs between the app and
-the watcher, driven by hand-written servers.
+"""One request's states (`_cycle.py`) through the middleware, on asyncio and trio: the body
+(DESIGN.md line 2), the middleware as the only caller of `receive` and its replay (3), when a
+disconnect cancels (4), sends dropped after it (7), apps that listen themselves (9), and what a
+finished cycle lets go. Odd message orders come from hand-written servers.
 """
 
 from __future__ import annotations
 
-import asyncio
+import gc
+import math
+import weakref
+from contextlib import nullcontext
+from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token, shield
@@ -14,116 +21,74 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Message, Receive, Scope, Send
 
 from .helpers import (
+    CANCELLED_RESPONSE,
+    DISCONNECT,
+    REQUEST_DONE,
+    WATCHDOG,
     KeepAliveServer,
     QueueServer,
+    leave,
     read_body,
-    receive_once,
+    receive_into,
     respond,
+    serving,
     slow_app,
     until,
     with_watchdog,
 )
-from .test_middleware import CANCELLED_RESPONSE
 
 pytestmark = pytest.mark.anyio
-
-
-REQUEST_DONE: Message = {"type": "http.request", "body": b"", "more_body": False}
-
-
-class ServerGone(Exception):
-    """What a server's receive() might raise (not an OSError: TimeoutError is one)."""
 
 
 async def noop_send(message: Message) -> None:
     pass
 
 
-async def noop_receive() -> Message:
-    return REQUEST_DONE
+# -- 2. the body --------------------------------------------------------------------------------
+CHUNKS = [b"a" * 10, b"b" * 7, b"", b"c" * 3000, b"d"]
 
 
-async def test_watcher_receive_error_does_not_strand_a_parked_app_receive() -> None:
-    fail = asyncio.Event()
-    calls = 0
-
-    async def receive() -> Message:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return REQUEST_DONE
-        await fail.wait()
-        raise ServerGone("connection reset")
-
-    got: list[str] = []
+@pytest.mark.parametrize("read_ahead", [0, 5, 64 * 1024], ids=["no-read-ahead", "tiny", "default"])
+@pytest.mark.parametrize("when", ["at-once", "late", "never"])
+async def test_body_reaches_app_unchanged_in_order(read_ahead: int, when: str) -> None:
+    received: list[Message] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        await asyncio.sleep(0.01)  # the watcher now holds the server's receive
-        try:
-            await receive()  # parks behind the watcher (`reading` is set)
-        except ServerGone as exc:
-            got.append(str(exc))
-            raise
-
-    task = asyncio.create_task(CancelOnDisconnectMiddleware(app)(http_scope(), receive, noop_send))
-    await until(lambda: calls == 2)
-    await asyncio.sleep(0.01)
-    fail.set()
-    with pytest.raises(ServerGone, match="connection reset"):
-        await with_watchdog(task, 1.0)
-    # "The app will meet the same error on its own receive" (the comment in watch()).
-    assert got == ["connection reset"]
-
-
-async def test_watcher_giving_up_on_extra_requests_does_not_strand_a_parked_app() -> None:
-    calls = 0
-
-    async def receive() -> Message:
-        """A server that answers every call after the body with an empty http.request."""
-        nonlocal calls
-        calls += 1
-        if calls > 1:
-            await asyncio.sleep(0.002)
-        return dict(REQUEST_DONE)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        await asyncio.sleep(0.003)  # the watcher started and holds the server's receive
-        message = await receive()  # parks; the watcher then gives up without waking it
-        assert message["type"] == "http.request"
+        if when != "at-once":
+            await anyio.sleep(0.02)  # the watcher has started and read ahead by now
+        while when != "never" and (not received or received[-1].get("more_body", False)):
+            received.append(await receive())
         await respond(send)
 
-    await with_watchdog(CancelOnDisconnectMiddleware(app)(http_scope(), receive, noop_send), 1.0)
+    conn = ClientConnection(CHUNKS)
+    middleware = CancelOnDisconnectMiddleware(app, read_ahead=read_ahead)
+    await with_watchdog(conn.run(middleware, http_scope("POST")))
+    assert [m["body"] for m in received] == ([] if when == "never" else CHUNKS)
+    assert [m["more_body"] for m in received] == ([] if when == "never" else [True] * 4 + [False])
+    assert conn.body == b"ok"
 
 
-async def test_read_ahead_zero_still_cancels_an_app_that_never_reads_the_body() -> None:
-    events: list[str] = []
-    conn = ClientConnection()  # a GET: one empty http.request
-    middleware = CancelOnDisconnectMiddleware(slow_app(events, read=False), read_ahead=0)
-    task = asyncio.create_task(conn.run(middleware))
-    await asyncio.sleep(0.02)
-    conn.disconnect()
-    await with_watchdog(task, 1.0)
-    assert events == ["cancelled"]
+async def test_read_ahead_is_bounded_then_server_backpressure() -> None:
+    """With read_ahead=10 the middleware holds at most one chunk past the limit."""
+    server = QueueServer(*({"type": "http.request", "body": b"x" * 8, "more_body": True},) * 50)
+    release = anyio.Event()
+    got: list[bytes] = []
 
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await release.wait()
+        for _ in range(50):
+            got.append((await receive())["body"])
+        await respond(send)
 
-class FedServer:
-    """A server whose receive() is a cancellation-safe queue fed over time by the test."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[Message] = asyncio.Queue()
-        self.receive_calls = 0
-
-    async def receive(self) -> Message:
-        self.receive_calls += 1
-        return await self.queue.get()
-
-    async def feed(self, chunks: list[bytes], interval: float) -> None:
-        for index, chunk in enumerate(chunks):
-            more = index < len(chunks) - 1
-            self.queue.put_nowait({"type": "http.request", "body": chunk, "more_body": more})
-            await asyncio.sleep(interval)
+    middleware = CancelOnDisconnectMiddleware(app, read_ahead=10, watch_delay=0)
+    async with serving(middleware, http_scope("POST"), server.receive, server.send):
+        await until(lambda: server.receive_calls >= 2)
+        await anyio.sleep(0.02)  # the watcher is parked: it reads no further
+        # 8 bytes buffered (< 10), the second chunk makes 16 >= 10: reading stops there.
+        assert server.receive_calls == 2
+        release.set()
+    assert got == [b"x" * 8] * 50
+    assert server.receive_calls == 50  # every chunk read from the server exactly once
 
 
 @pytest.mark.parametrize("read_ahead", [0, 1, 9, 64 * 1024])
@@ -131,74 +96,157 @@ async def test_body_read_from_several_tasks_is_complete_and_in_order(read_ahead:
     """Three app tasks race for the body while the watcher reads ahead: no loss, no duplicate."""
     chunks = [bytes([65 + i]) * (i % 4 + 1) for i in range(30)]
     order: list[bytes] = []
-    last = asyncio.Event()
 
-    async def reader(receive: Receive, pause: float) -> None:
+    async def reader(receive: Receive, pause: float, group: anyio.abc.TaskGroup) -> None:
         while True:
             message = await receive()
             assert message["type"] == "http.request", message
             order.append(message["body"])
             if not message.get("more_body", False):
-                last.set()
-                return
-            await asyncio.sleep(pause)
+                group.cancel_scope.cancel()  # the others are parked (or reading): safe
+            await anyio.sleep(pause)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await asyncio.sleep(0.003)  # the watcher has started and read ahead
-        readers = [asyncio.create_task(reader(receive, p)) for p in (0, 0.0005, 0.001)]
-        await asyncio.wait_for(last.wait(), 2)
-        for task in readers:
-            task.cancel()  # the others are parked (or reading): cancelling them is safe
-        await asyncio.wait(readers)
+        await anyio.sleep(0.003)  # the watcher has started and read ahead
+        async with anyio.create_task_group() as group:
+            for pause in (0, 0.0005, 0.001):
+                group.start_soon(reader, receive, pause, group)
         await respond(send)
 
-    server = FedServer()
-    feeder = asyncio.create_task(server.feed(chunks, 0.0003))
+    server = QueueServer()
     middleware = CancelOnDisconnectMiddleware(app, read_ahead=read_ahead)
-    await with_watchdog(middleware(http_scope("POST"), server.receive, noop_send))
-    await with_watchdog(feeder)
+    with anyio.fail_after(WATCHDOG):
+        async with anyio.create_task_group() as group:
+            group.start_soon(server.feed, chunks, 0.0003)
+            await middleware(http_scope("POST"), server.receive, noop_send)
     assert order == chunks
 
 
 @pytest.mark.parametrize("read_ahead", [0, 4, 64 * 1024])
 async def test_app_receive_timing_out_repeatedly_loses_nothing(read_ahead: int) -> None:
-    """`wait_for(receive(), tiny)` cancels parked/reading callers over and over: no loss."""
+    """`receive()` under a tiny timeout cancels parked/reading callers over and over: no loss."""
     chunks = [b"aa", b"bbb", b"c", b"dddd"]
     got: list[Message] = []
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            while True:
-                try:
-                    message = await asyncio.wait_for(receive(), 0.001)
-                except asyncio.TimeoutError:
-                    continue
-                got.append(message)
-                if message["type"] != "http.request":
-                    break
-        except asyncio.CancelledError:
+            while not got or got[-1]["type"] == "http.request":
+                with anyio.move_on_after(0.001):
+                    got.append(await receive())
+        except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
         events.append("app saw the disconnect")
-        await asyncio.sleep(30)  # ignores it: cancelled after the grace period
+        await anyio.sleep(30)  # ignores it: cancelled after the grace period
 
-    server = FedServer()
-    task = asyncio.create_task(
-        CancelOnDisconnectMiddleware(app, read_ahead=read_ahead, grace=0.02)(
-            http_scope("POST"), server.receive, noop_send
-        )
-    )
-    await with_watchdog(server.feed(chunks, 0.004))
-    await until(lambda: len(got) == len(chunks))
-    await asyncio.sleep(0.01)
-    server.queue.put_nowait({"type": "http.disconnect"})
-    await with_watchdog(task)
+    server = QueueServer()
+    middleware = CancelOnDisconnectMiddleware(app, read_ahead=read_ahead, grace=0.02)
+    async with serving(middleware, http_scope("POST"), server.receive, noop_send):
+        await server.feed(chunks, 0.004)
+        await until(lambda: len(got) == len(chunks))
+        await anyio.sleep(0.01)
+        server.disconnect()
     assert [m.get("body") for m in got[:4]] == chunks
     # Either the app's receive() got the disconnect (listening: grace, then cancel) or the
     # watcher got it while no receive() was pending (cancelled at once). Never a duplicate.
-    assert got[4:] in ([{"type": "http.disconnect"}], [])
+    assert got[4:] in ([DISCONNECT], [])
     assert events in (["app saw the disconnect"], ["cancelled"])
+
+
+async def test_extra_empty_request_after_body_is_ignored() -> None:
+    server = QueueServer({"type": "http.request", "body": b"abc", "more_body": False}, REQUEST_DONE)
+    received: list[Message] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await anyio.sleep(0.01)  # let the watcher read both
+        received.append(await receive())
+        async with anyio.create_task_group() as group:
+            group.start_soon(receive_into, received, receive)
+            await anyio.sleep(0.01)
+            server.disconnect()
+        await respond(send)
+
+    await with_watchdog(
+        CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, server.send)
+    )
+    assert received == [{"type": "http.request", "body": b"abc", "more_body": False}, DISCONNECT]
+
+
+@pytest.mark.parametrize("read_ahead", [0, 64 * 1024], ids=["no-read-ahead", "read-ahead"])
+async def test_disconnect_mid_body_cancels_the_body_reader_without_error_or_loss(
+    read_ahead: int,
+) -> None:
+    """The cancellation lands in the app's receive(): the disconnect is returned to nobody, so
+    a Starlette app does not turn it into ClientDisconnect / a 400."""
+    got: list[Message] = []
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            while True:
+                got.append(await receive())
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+
+    conn = ClientConnection([b"1", b"2", b"3", b"4"], body_delay=0.01)
+    middleware = CancelOnDisconnectMiddleware(app, read_ahead=read_ahead)
+    await leave(middleware, conn, http_scope("POST"), when=lambda: len(got) == 2)
+    assert conn.app_exception is None  # returns normally: no exception reaches the server
+    assert got == [{"type": "http.request", "body": b, "more_body": True} for b in (b"1", b"2")]
+    assert events == ["cancelled"]
+    assert conn.sent == []
+
+
+async def test_body_reader_woken_with_the_last_chunk_is_not_taken_for_a_listener() -> None:
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            first = await receive()
+            await anyio.sleep(0.003)  # the watcher starts and takes the server's receive
+            body = first["body"] + await read_body(receive)  # parks behind the watcher
+            events.append(f"body={body.decode()}")
+            await anyio.sleep(30)  # starts the expensive work
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+
+    server = QueueServer({"type": "http.request", "body": b"a", "more_body": True})
+    middleware = CancelOnDisconnectMiddleware(app, grace=5)
+    with anyio.fail_after(1.0):  # cancelled at once, not after the 5 s grace
+        async with serving(middleware, http_scope("POST"), server.receive, noop_send):
+            await until(lambda: server.receive_calls >= 2)  # the watcher waits; the app parks
+            await anyio.sleep(0.005)
+            # The client sends its last chunk and closes at once: both arrive together.
+            server.put({"type": "http.request", "body": b"b", "more_body": False})
+            server.disconnect()
+    # The cancellation lands in the body read (the reader was handed "b" but had not resumed
+    # yet) or just after it: either way at once, not after a listener's grace.
+    assert events in (["body=ab", "cancelled"], ["cancelled"])
+
+
+# -- 3. the only caller of receive; replay ------------------------------------------------------
+async def test_disconnect_replayed_to_concurrent_and_repeat_callers() -> None:
+    """hypercorn/daphne deliver one disconnect then block: every app caller still gets it."""
+    results: list[Message] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        async with anyio.create_task_group() as group:
+            for _ in range(2):
+                group.start_soon(receive_into, results, receive)
+            await anyio.sleep(0.01)
+            conn.disconnect()
+        for _ in range(3):
+            results.append(await receive())
+        raise RuntimeError("after disconnect")  # app errors still propagate unchanged
+
+    conn = ClientConnection(b"body", after_disconnect="block")
+    with pytest.raises(RuntimeError, match="after disconnect"):
+        await with_watchdog(conn.run(CancelOnDisconnectMiddleware(app, grace=5)))
+    assert results == [DISCONNECT] * 5
 
 
 async def test_starlette_is_disconnected_polling_sees_the_cached_disconnect() -> None:
@@ -206,98 +254,104 @@ async def test_starlette_is_disconnected_polling_sees_the_cached_disconnect() ->
     from starlette.requests import Request
 
     events: list[str] = []
+    polls: list[bool] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         await request.body()
         try:
             with shield():
-                polls = 0
                 while not await request.is_disconnected():
-                    polls += 1
-                    await asyncio.sleep(0.002)
-                events.append(f"saw disconnect after polling={polls > 0}")
-                await asyncio.sleep(0.01)  # still shielded: finish the unit of work
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
+                    polls.append(True)
+                    await anyio.sleep(0.002)
+                events.append("saw the disconnect")
+                await anyio.sleep(0.01)  # still shielded: finish the unit of work
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
 
     conn = ClientConnection(b"payload", after_disconnect="block")  # hypercorn/daphne
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app), http_scope("POST")))
-    await asyncio.sleep(0.02)
-    conn.disconnect()
-    await with_watchdog(task)
-    assert events == ["saw disconnect after polling=True", "cancelled"]
+    await leave(
+        CancelOnDisconnectMiddleware(app), conn, http_scope("POST"), when=lambda: bool(polls)
+    )
+    assert events == ["saw the disconnect", "cancelled"]
 
 
-async def test_background_task_receive_after_the_request_gets_the_cached_disconnect() -> None:
-    """A task that outlives the request and calls receive() late must not block (hypercorn)."""
-    late: list[Message] = []
-    background: list[asyncio.Task[None]] = []
+class ServerGone(Exception):
+    """What a server's receive() might raise (not an OSError: TimeoutError is one)."""
 
-    async def later(receive: Receive) -> None:
-        await asyncio.sleep(0.02)
-        late.append(await asyncio.wait_for(receive(), 1))
-        late_token.append(current_token().cancelled)
 
-    late_token: list[bool] = []
+@pytest.mark.parametrize("server", ["raises", "repeats-empty-requests"])
+async def test_the_watcher_giving_up_does_not_strand_a_parked_app_receive(server: str) -> None:
+    """The watcher stops at a server receive() that raises (the app meets the same error on
+    its own receive: the comment in watch()) or that answers every call after the body with an
+    empty http.request; an app receive() parked behind it is woken and reads itself."""
+    calls = 0
+
+    async def receive() -> Message:
+        nonlocal calls
+        calls += 1
+        if calls > 1 and server == "raises":
+            await anyio.sleep(max(0.0, fails_at - anyio.current_time()))  # the app parks
+            raise ServerGone("connection reset")
+        if calls > 1:
+            await anyio.sleep(0.002)
+        return dict(REQUEST_DONE)
+
+    got: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
-        background.append(asyncio.create_task(later(receive)))
-        await asyncio.sleep(0.005)  # the watcher starts
-        await respond(send)  # the server answers with http.disconnect right after
+        await anyio.sleep(0.005)  # the watcher now holds the server's receive
+        try:
+            got.append((await receive())["type"])  # parks behind the watcher
+        except ServerGone as exc:
+            got.append(str(exc))
+            raise
+        await respond(send)
 
-    conn = ClientConnection(after_disconnect="block")
-    await with_watchdog(conn.run(CancelOnDisconnectMiddleware(app)))
-    await with_watchdog(background[0])
-    assert late == [{"type": "http.disconnect"}]
-    assert late_token == [False]  # a disconnect after the response cancels nothing
+    fails_at = anyio.current_time() + 0.02
+    middleware = CancelOnDisconnectMiddleware(app, watch_delay=0)
+    with anyio.fail_after(1.0), pytest.raises(ServerGone) if server == "raises" else nullcontext():
+        await middleware(http_scope(), receive, noop_send)
+    assert got == (["connection reset"] if server == "raises" else ["http.request"])
 
 
-async def test_disconnect_queued_before_the_app_starts() -> None:
-    """Body and disconnect are both waiting before the first receive(): no send, no error."""
+# -- 4. when a disconnect cancels ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("queued", "read", "read_ahead"),
+    [(False, True, 65536), (True, False, 65536), (False, False, 0)],
+    ids=["while-it-runs", "before-it-starts", "never-read-without-read-ahead"],
+)
+async def test_disconnect_cancels_the_app_at_once_and_completes_a_499(
+    queued: bool, read: bool, read_ahead: int
+) -> None:
+    """The app does not listen: it is cancelled at the disconnect, not after a listener's grace
+    (also when the body, never read, and the disconnect wait before it starts, or with no
+    read-ahead for a body the app never reads); the server's receive is never called again
+    (hypercorn would block), and the middleware completes the response for outer middlewares
+    (HTTP/1.1: start and an empty final body, both dropped by a server whose client left)."""
     events: list[str] = []
     server = QueueServer({"type": "http.request", "body": b"abc", "more_body": False})
-    server.disconnect()
-    middleware = CancelOnDisconnectMiddleware(slow_app(events, read=False))
-    await with_watchdog(middleware(http_scope("POST"), server.receive, server.send))
-    assert events == ["cancelled"]
-    assert server.sent == CANCELLED_RESPONSE  # for an outer middleware; a server drops it
-    assert server.receive_calls == 2  # body (buffered) then the disconnect; never again
-
-
-async def test_disconnect_mid_body_while_app_reads_the_body_itself() -> None:
-    """The app's own receive() meets the disconnect: the cancel lands in receive()."""
-    events: list[str] = []
-    received: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            while True:
-                message = await receive()
-                received.append(message["type"])
-        except asyncio.CancelledError:
-            events.append("cancelled in receive")
-            raise
-
-    conn = ClientConnection([b"1", b"2", b"3"], body_delay=0.01)
-    middleware = CancelOnDisconnectMiddleware(app, read_ahead=0)  # the app does the reading
-    task = asyncio.create_task(conn.run(middleware, http_scope("POST")))
-    await until(lambda: len(received) == 1)
-    conn.disconnect()
-    await with_watchdog(task)
-    # The disconnect is returned to nobody: the cancellation is delivered instead, so a
-    # Starlette app does not turn it into ClientDisconnect / a 400.
-    assert received == ["http.request"]
-    assert events == ["cancelled in receive"]
+    if queued:
+        server.disconnect()
+    app = slow_app(events, read=read)
+    middleware = CancelOnDisconnectMiddleware(app, grace=30, read_ahead=read_ahead)
+    async with serving(middleware, http_scope("POST"), server.receive, server.send):
+        await until(lambda: server.receive_calls == 2)  # the body, then the disconnect's
+        if not queued:
+            server.disconnect()
+        with anyio.fail_after(1.0):
+            await until(lambda: "cancelled" in events)
+    assert events == (["body:abc", "cancelled"] if read else ["cancelled"])
+    assert server.receive_calls == 2
+    assert server.sent == CANCELLED_RESPONSE
 
 
 @pytest.mark.parametrize("when", ["before-trailers", "after-trailers"])
 async def test_trailers_keep_the_response_open_until_the_last_trailer(when: str) -> None:
     events: list[str] = []
-    proceed = asyncio.Event()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
@@ -308,76 +362,156 @@ async def test_trailers_keep_the_response_open_until_the_last_trailer(when: str)
                 await send(
                     {"type": "http.response.trailers", "headers": [], "more_trailers": False}
                 )
-            await proceed.wait()
-            await asyncio.sleep(0.02)
+            await anyio.sleep(0.1)  # the client leaves meanwhile
             if when == "before-trailers":
                 await send({"type": "http.response.trailers", "headers": []})
-        except asyncio.CancelledError:
+        except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
         events.append("done")
 
     conn = ClientConnection(disconnect_after_response=False)
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: conn.receive_calls >= 2 and len(conn.sent) >= 2)
-    conn.disconnect()
-    proceed.set()
-    await with_watchdog(task)
+    await leave(
+        CancelOnDisconnectMiddleware(app),
+        conn,
+        when=lambda: conn.receive_calls >= 2 and len(conn.sent) >= 2,
+    )
     assert events == (["cancelled"] if when == "before-trailers" else ["done"])
 
 
-async def test_listener_pending_after_the_response_is_not_cancelled() -> None:
-    """A receive() still pending after the final send: the post-response disconnect is normal."""
+async def test_receive_after_the_response_gets_the_disconnect_and_cancels_nothing() -> None:
+    """Every h1 server sends http.disconnect after the response: a receive() pending across
+    the final send, and one from a task that outlives the request (it must not block:
+    hypercorn delivers the disconnect once), both get it; nothing is cancelled."""
+    seen: list[str] = []
+    received: list[Message] = []
+
+    async def receive_later(receive: Receive) -> None:
+        await anyio.sleep(0.1)  # the request is over by now
+        with anyio.fail_after(1):
+            message = await receive()
+        seen.append(f"late {message['type']}, cancelled={current_token().cancelled}")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        server.start_soon(receive_later, receive)  # in the server's task group: outlives it
+        async with anyio.create_task_group() as group:
+            group.start_soon(receive_into, received, receive)
+            await anyio.sleep(0.01)
+            await respond(send)
+        try:
+            await anyio.sleep(0.05)  # post-response work
+        except anyio.get_cancelled_exc_class():
+            seen.append("cancelled")
+            raise
+        seen.append(f"pending {received[0]['type']}, cancelled={current_token().cancelled}")
+
+    conn = ClientConnection(after_disconnect="block")
+    async with anyio.create_task_group() as server:
+        await with_watchdog(conn.run(CancelOnDisconnectMiddleware(app, grace=0.01)))
+    assert seen == [
+        "pending http.disconnect, cancelled=False",
+        "late http.disconnect, cancelled=False",
+    ]
+
+
+GRACE = 0.05
+
+
+@pytest.mark.parametrize(
+    "returns_after", [None, GRACE / 5, 0], ids=["never-returns", "returns-within-grace", "returns"]
+)
+async def test_disconnect_during_the_final_send(returns_after: float | None) -> None:
+    """A final send that never returns (hypercorn over HTTP/2 once the connection closed with
+    data still buffered: tests/servers/test_h2.py) is cancelled `grace` after the disconnect;
+    one that returns (hypercorn on trio delivers the end-of-response disconnect before its
+    send returns) is the normal end: nothing is cancelled, work after the response runs on."""
+    events: list[Any] = []
+    reports: list[tuple[str, bool]] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            await send({"type": "http.response.body", "body": b"done"})
+        except BaseException as exc:
+            events.append(("send raised", type(exc).__name__, current_token().reason))
+            raise
+        events.append("send returned")
+        await anyio.sleep(2 * GRACE)  # post-response work (Starlette's BackgroundTasks)
+        events.append(("work done", current_token().cancelled))
+
+    middleware = CancelOnDisconnectMiddleware(
+        app,
+        grace=GRACE,
+        on_cancelled=lambda scope, **report: reports.append(
+            (report["reason"], report["response_started"])
+        ),
+    )
+    conn = ClientConnection(disconnect_after_response=False)
+
+    async def send(message: Message) -> None:  # the client leaves while the final body waits
+        await conn.send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            conn.disconnect()
+            await anyio.sleep(math.inf if returns_after is None else returns_after)
+
+    await with_watchdog(middleware(http_scope(), conn.receive, send))
+    assert conn.body == b"done"  # handed to the server (it never reached a client that left)
+    if returns_after is None:
+        cancelled = anyio.get_cancelled_exc_class().__name__
+        assert events == [("send raised", cancelled, "client disconnected")]
+        assert reports == [("client disconnected", True)]
+    else:
+        assert events == ["send returned", ("work done", False)]
+        assert reports == []
+
+
+# -- 7. sends dropped after the disconnect ------------------------------------------------------
+async def test_send_after_disconnect_never_reaches_a_server_that_would_hang() -> None:
+    """hypercorn h2 after the TCP connection closed: a body send() hangs forever.
+
+    The app's late response is dropped; the middleware's own 499 (for an outer middleware
+    that waits for a response) is only a response start over HTTP/2, which returns there.
+    """
+    calls: list[Message] = []
+    server = QueueServer(REQUEST_DONE)
+
+    async def hanging_send(message: Message) -> None:
+        calls.append(message)
+        if message["type"] != "http.response.start" and server.receive_calls > 1:
+            await anyio.sleep_forever()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        await receive()  # waits for the disconnect itself, then sends anyway
+        await respond(send, b"too late")
+
+    scope = http_scope(http_version="2")
+    async with serving(CancelOnDisconnectMiddleware(app), scope, server.receive, hanging_send):
+        await until(lambda: server.receive_calls >= 2)
+        server.disconnect()
+    assert calls == [{"type": "http.response.start", "status": 499, "headers": []}]
+
+
+# -- 9. an app that listens itself --------------------------------------------------------------
+async def test_listening_app_that_ignores_disconnect_is_cancelled_after_grace() -> None:
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
-        listener = asyncio.create_task(receive_once(receive))
-        await asyncio.sleep(0.01)
-        await respond(send)
-        message = await asyncio.wait_for(listener, 1)
+        message = await receive()
+        events.append(message["type"])
         try:
-            await asyncio.sleep(0.05)  # post-response work
-        except asyncio.CancelledError:
-            events.append("cancelled")
-            raise
-        events.append(f"{message['type']}, token cancelled={current_token().cancelled}")
-
-    conn = ClientConnection()
-    await with_watchdog(conn.run(CancelOnDisconnectMiddleware(app, grace=0.01)))
-    assert events == ["http.disconnect, token cancelled=False"]
-
-
-async def test_body_reader_woken_with_the_last_chunk_is_not_taken_for_a_listener() -> None:
-    events: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            first = await receive()
-            await asyncio.sleep(0.003)  # the watcher starts and takes the server's receive
-            body = first["body"] + await read_body(receive)  # parks behind the watcher
-            events.append(f"body={body.decode()}")
-            await asyncio.sleep(30)  # starts the expensive work
-        except asyncio.CancelledError:
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
 
-    server = FedServer()
-    server.queue.put_nowait({"type": "http.request", "body": b"a", "more_body": True})
-    task = asyncio.create_task(
-        CancelOnDisconnectMiddleware(app, grace=5)(http_scope("POST"), server.receive, noop_send)
-    )
-    await until(lambda: server.receive_calls >= 2)  # the watcher waits; the app parks behind it
-    await asyncio.sleep(0.005)
-    # The client sends its last chunk and closes at once: both arrive together.
-    server.queue.put_nowait({"type": "http.request", "body": b"b", "more_body": False})
-    server.queue.put_nowait({"type": "http.disconnect"})
-    await with_watchdog(task, 1.0)  # cancelled at once, not after the 5 s grace
-    # The cancellation lands in the body read (the reader was handed "b" but had not resumed
-    # yet) or just after it: either way at once, not after a listener's grace.
-    assert events in (["body=ab", "cancelled"], ["cancelled"])
+    await leave(CancelOnDisconnectMiddleware(app, grace=0.05))
+    assert events == ["http.disconnect", "cancelled"]
 
 
+# -- a finished cycle ---------------------------------------------------------------------------
 @pytest.mark.parametrize("awaits", [False, True], ids=["never-awaits", "awaits"])
 async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(
     awaits: bool,
@@ -386,12 +520,10 @@ async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(
     its final send: the finished cycle must not hold the server's receive/send, or the
     server's per-request objects live on in a reference cycle (10x the generation-0
     collections under uvicorn with keep-alive)."""
-    import gc
-    import weakref
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if awaits:
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         await respond(send)
 
     server = KeepAliveServer()

@@ -21,6 +21,12 @@ from starlette.testclient import TestClient
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token
 
 PAYLOAD = b"x" * 200_000  # larger than the default read-ahead
+# Starlette's BaseHTTPMiddleware leaves `Request.stream` unexhausted on trio, and trio's
+# finalizer warns about it on Python 3.10 (seen with and without asgi-cancel): not ours.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]
 
 
 async def echo(request: Request) -> Response:
@@ -55,10 +61,6 @@ def starlette_app() -> Starlette:
     return app
 
 
-# Starlette's BaseHTTPMiddleware leaves `Request.stream` unexhausted on trio, and trio's
-# finalizer warns about it on Python 3.10 (seen with and without asgi-cancel): not ours.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_starlette_testclient_body_and_stream(backend: Literal["asyncio", "trio"]) -> None:
     with TestClient(starlette_app(), backend=backend) as client:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
+import anyio
+import anyio.lowlevel
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -15,7 +16,7 @@ from asgi_cancel.otel import EVENT, TraceCancellations
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import respond, slow_app, streaming_app, with_watchdog
+from .helpers import leave, respond, slow_app, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
@@ -47,16 +48,13 @@ async def test_cancelled_request_span_gets_event_and_attributes(
     exporter: InMemorySpanExporter, stream: bool, phase: str
 ) -> None:
     events: list[str] = []
-    inner = streaming_app(events) if stream else slow_app(events, read=False)
+    inner = slow_app(events, read=False, stream=stream)
     app = traced(CancelOnDisconnectMiddleware(TraceCancellations(inner), watch_delay=0), exporter)
     conn = ClientConnection()
-    task = asyncio.create_task(conn.run(app, http_scope("GET", "/v1/x")))
-    if stream:
-        await with_watchdog(conn.wait_for_body_chunks(2))
-    else:
-        await asyncio.sleep(0.05)
-    conn.disconnect()
-    await with_watchdog(task)
+    scope = http_scope("GET", "/v1/x")
+    await leave(
+        app, conn, scope, when=lambda: conn.body_chunks >= 1 if stream else conn.receive_calls >= 2
+    )
     (span,) = exporter.get_finished_spans()
     assert [event.name for event in span.events] == [EVENT]
     attributes = dict(span.events[0].attributes or {})
@@ -66,34 +64,22 @@ async def test_cancelled_request_span_gets_event_and_attributes(
     assert dict(span.attributes or {}) == attributes
 
 
-async def test_span_untouched_when_not_cancelled(exporter: InMemorySpanExporter) -> None:
+async def test_span_untouched_unless_cancelled_and_nothing_without_a_span(
+    exporter: InMemorySpanExporter,
+) -> None:
     async def hello(scope: Scope, receive: Receive, send: Send) -> None:
-        await asyncio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         await respond(send)
 
-    app = traced(CancelOnDisconnectMiddleware(TraceCancellations(hello)), exporter)
-    conn = ClientConnection()
-    await with_watchdog(conn.run(app, http_scope("GET", "/")))
-    (span,) = exporter.get_finished_spans()
-    assert not span.events
-    assert not span.attributes
-
-
-async def test_nothing_without_a_span_or_outside_the_middleware() -> None:
+    statuses = []
+    for app in (CancelOnDisconnectMiddleware(TraceCancellations(hello)), TraceCancellations(hello)):
+        conn = ClientConnection()  # inside the middleware, then outside it
+        await with_watchdog(conn.run(traced(app, exporter), http_scope("GET", "/")))
+        statuses.append(conn.status)
+    assert statuses == [200, 200]
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 2
+    assert not any(span.events or span.attributes for span in spans)
     events: list[str] = []
-    conn = ClientConnection()
-    app = CancelOnDisconnectMiddleware(TraceCancellations(slow_app(events, read=False)))
-    task = asyncio.create_task(conn.run(app, http_scope("GET", "/")))
-    await asyncio.sleep(0.05)
-    conn.disconnect()
-    await with_watchdog(task)
-    assert events == ["cancelled"]
-
-    async def hello(scope: Scope, receive: Receive, send: Send) -> None:
-        await respond(send)
-
-    exporter = InMemorySpanExporter()
-    conn = ClientConnection()
-    await with_watchdog(conn.run(traced(TraceCancellations(hello), exporter), http_scope()))
-    assert conn.status == 200
-    assert not exporter.get_finished_spans()[0].events
+    await leave(CancelOnDisconnectMiddleware(TraceCancellations(slow_app(events, read=False))))
+    assert events == ["cancelled"]  # no span to add to: cancelled all the same

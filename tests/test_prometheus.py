@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+import anyio
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,10 +18,10 @@ from starlette.routing import Route
 
 from asgi_cancel import CancelOnDisconnectMiddleware
 from asgi_cancel.prometheus import CancelMetrics
-from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.testing import http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
-from .helpers import with_watchdog
+from .helpers import leave
 from .servers.client import (
     CHUNK_MARKER,
     RST,
@@ -33,10 +32,11 @@ from .servers.client import (
     read_head,
     read_response,
     read_to_eof,
+    recv_some,
     send_request,
 )
 from .servers.metrics_app import CLEANUP
-from .servers.runner import HYPERCORN_TRIO, UVICORN_HTTPTOOLS, Server, ServerSpec, running_server
+from .servers.runner import HYPERCORN_TRIO, UVICORN_HTTPTOOLS, ServerSpec, running_server
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -54,159 +54,122 @@ def value(found: Samples, name: str, **labels: str) -> float:
 
 
 # -- under a real server ------------------------------------------------------------------------
-@pytest.fixture(
-    scope="module", params=[UVICORN_HTTPTOOLS, HYPERCORN_TRIO], ids=lambda spec: str(spec)
-)
-def server(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    spec: ServerSpec = request.param
-    workdir: Path = tmp_path_factory.mktemp(f"metrics-{spec}")
-    with running_server(spec, "servers.metrics_app:app", workdir) as running:
-        yield running
-
-
-def leave_before_response(server: Server, target: str) -> None:
-    with connect(server.port) as sock:
+def leave_before_response(port: int, target: str) -> None:
+    with connect(port) as sock:
         send_request(sock, "GET", target)
         time.sleep(0.3)  # the app is sleeping in its endpoint
         close(sock, RST)
 
 
-def leave_mid_stream(server: Server, target: str) -> None:
-    with connect(server.port) as sock:
+def read_until(sock: socket.socket, body: bytes, end: Callable[[bytes], bool]) -> bytes:
+    while not end(body):
+        body += recv_some(sock)
+    return body
+
+
+def leave_mid_stream(port: int, target: str) -> None:
+    with connect(port) as sock:
         send_request(sock, "GET", target)
-        _, _, body = read_head(sock)
-        while CHUNK_MARKER not in body:
-            body += sock.recv(65536)
+        read_until(sock, read_head(sock)[2], lambda body: CHUNK_MARKER in body)
         close(sock, RST)
 
 
-def wait_for_metrics(server: Server, done: Any) -> Samples:
-    deadline = time.monotonic() + 15
-    while True:
-        found = samples(get(server.port, "/metrics").body.decode())
-        if done(found) or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
+def stopped_before_response(port: int, target: str, header: tuple[str, str]) -> int:
+    """A request cancelled by its id, or past its deadline, while its client waits: the
+    status the client gets."""
+    with connect(port) as sock:
+        send_request(sock, "GET", target, headers=(header,))
+        if header[0] == "X-Request-Id":
+            time.sleep(0.3)  # the app is sleeping in its endpoint
+            assert cancel_by_id(port, header[1]) == 202
+        return read_response(sock).status
 
 
-@pytest.mark.servers
-@pytest.mark.timeout(90)
-def test_real_cancellations_counted_once_by_route_template_and_phase(server: Server) -> None:
-    for item_id in (1, 2, 3):
-        leave_before_response(server, f"/items/{item_id}")
-    for name in ("a", "b"):
-        leave_mid_stream(server, f"/stream/{name}")
-    assert get(server.port, "/payments/7").body == b"paid"  # excluded: not counted
-
-    before = {"method": "GET", "route": "/items/{item_id}", "reason": "client disconnected"}
-    stream = {"method": "GET", "route": "/stream/{name}", "reason": "client disconnected"}
-
-    def done(found: Samples) -> bool:
-        return (
-            value(found, "test_cancel_cleanup_seconds_count", **before, phase="before_response")
-            >= 3
-            and value(found, "test_cancel_cleanup_seconds_count", **stream, phase="mid_stream") >= 2
-        )
-
-    found = wait_for_metrics(server, done)
-    time.sleep(0.3)  # anything counted twice would show up by now
-    found = samples(get(server.port, "/metrics").body.decode())
-    counted = {
-        dict(labels)["route"]: count
-        for (name, labels), count in found.items()
-        if name == "test_cancelled_requests_total"
-    }
-    assert counted == {"/items/{item_id}": 3, "/stream/{name}": 2}
-    assert value(found, "test_cancelled_requests_total", **before, phase="before_response") == 3
-    assert value(found, "test_cancelled_requests_total", **stream, phase="mid_stream") == 2
-    for labels, phase, count in ((before, "before_response", 3), (stream, "mid_stream", 2)):
-        assert value(found, "test_cancel_cleanup_seconds_count", **labels, phase=phase) == count
-        total = value(found, "test_cancel_cleanup_seconds_sum", **labels, phase=phase)
-        assert CLEANUP * count <= total < (CLEANUP + 2) * count
-    server.assert_no_traceback()
+def stopped_mid_stream(port: int, target: str, header: tuple[str, str]) -> int:
+    """The same mid-stream: the server closes the connection under the stream (no final
+    chunk, a visible cut); the status the client got."""
+    with connect(port) as sock:
+        send_request(sock, "GET", target, headers=(header,))
+        status, _, body = read_head(sock)
+        body = read_until(sock, body, lambda body: CHUNK_MARKER in body)
+        if header[0] == "X-Request-Id":
+            assert cancel_by_id(port, header[1]) == 202
+        body += read_to_eof(sock)
+        assert not body.endswith(b"0\r\n\r\n"), body[-40:]
+        return status
 
 
-def cancel_by_id(server: Server, request_id: str) -> int:
-    with connect(server.port) as sock:
+def cancel_by_id(port: int, request_id: str) -> int:
+    with connect(port) as sock:
         send_request(sock, "POST", f"/requests/{request_id}/cancel")
         return read_response(sock).status
 
 
-def read_until_marker(sock: socket.socket, body: bytes) -> bytes:
-    while CHUNK_MARKER not in body:
-        body += sock.recv(65536)
-    return body
-
-
-def assert_cut(sock: socket.socket, body: bytes) -> None:
-    """The server closes the connection under the stream: no final chunk, a visible cut."""
-    body += read_to_eof(sock)
-    assert not body.endswith(b"0\r\n\r\n"), body[-40:]
+def counted(found: Samples, name: str) -> dict[tuple[str, ...], float]:
+    return {
+        tuple(dict(labels)[key] for key in ("reason", "route", "phase", "method")): count
+        for (sample, labels), count in found.items()
+        if sample == name
+    }
 
 
 @pytest.mark.servers
 @pytest.mark.timeout(90)
-def test_each_reason_counted_once_with_its_phase(server: Server) -> None:
-    """Cancelled by id and deadline exceeded, before the response and mid-stream, while the
-    client stays connected: each counted once under its reason, and the client gets the
-    documented end (499 / 504 / a stream visibly cut)."""
-    routes = {"before_response": "/items/{item_id}", "mid_stream": "/stream/{name}"}
-    start = samples(get(server.port, "/metrics").body.decode())
-    run = new_id()
-    with connect(server.port) as sock:  # cancelled by id before the response: 499
-        send_request(sock, "GET", "/items/8", headers=(("X-Request-Id", f"{run}-item"),))
-        time.sleep(0.3)  # the app is sleeping in its endpoint
-        assert cancel_by_id(server, f"{run}-item") == 202
-        assert read_response(sock).status == 499
-    with connect(server.port) as sock:  # cancelled by id mid-stream: the stream ends
-        send_request(sock, "GET", "/stream/e", headers=(("X-Request-Id", f"{run}-stream"),))
-        status, _, body = read_head(sock)
-        body = read_until_marker(sock, body)
-        assert cancel_by_id(server, f"{run}-stream") == 202
-        assert status == 200
-        assert_cut(sock, body)
-    with connect(server.port) as sock:  # deadline before the response: 504
-        send_request(sock, "GET", "/items/9", headers=(("X-Request-Timeout", "300ms"),))
-        assert read_response(sock).status == 504
-    with connect(server.port) as sock:  # deadline mid-stream: the stream ends
-        send_request(sock, "GET", "/stream/f", headers=(("X-Request-Timeout", "300ms"),))
-        _, _, body = read_head(sock)
-        assert_cut(sock, body)
-    expected = [
-        ("cancelled by id", "before_response"),
-        ("cancelled by id", "mid_stream"),
-        ("deadline exceeded", "before_response"),
-        ("deadline exceeded", "mid_stream"),
-    ]
+@pytest.mark.parametrize("spec", [UVICORN_HTTPTOOLS, HYPERCORN_TRIO], ids=str)
+def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
+    spec: ServerSpec, tmp_path: Path
+) -> None:
+    """Clients that leave before the response and mid-stream, and requests cancelled by id or
+    past their deadline while the client stays (it gets 499, 504 or a stream visibly cut):
+    each counted once under its reason, route template and phase, its cleanup timed. An
+    excluded route is not counted."""
+    items, streams = "/items/{item_id}", "/stream/{name}"
+    expected: dict[tuple[str, ...], float] = {
+        ("client disconnected", items, "before_response", "GET"): 3,
+        ("client disconnected", streams, "mid_stream", "GET"): 2,
+        ("cancelled by id", items, "before_response", "GET"): 1,
+        ("cancelled by id", streams, "mid_stream", "GET"): 1,
+        ("deadline exceeded", items, "before_response", "GET"): 1,
+        ("deadline exceeded", streams, "mid_stream", "GET"): 1,
+    }
+    with running_server(spec, "servers.metrics_app:app", tmp_path) as server:
+        port = server.port
+        for item_id in (1, 2, 3):
+            leave_before_response(port, f"/items/{item_id}")
+        for name in ("a", "b"):
+            leave_mid_stream(port, f"/stream/{name}")
+        assert get(port, "/payments/7").body == b"paid"  # excluded: not counted
+        run = new_id()
+        by_id, timed = ("X-Request-Id", f"{run}-i"), ("X-Request-Timeout", "300ms")
+        assert stopped_before_response(port, "/items/8", by_id) == 499
+        assert stopped_mid_stream(port, "/stream/e", ("X-Request-Id", f"{run}-s")) == 200
+        assert stopped_before_response(port, "/items/9", timed) == 504
+        assert stopped_mid_stream(port, "/stream/f", timed) == 200
 
-    def count(found: Samples, name: str, reason: str, phase: str) -> float:
-        labels = {"method": "GET", "route": routes[phase], "reason": reason, "phase": phase}
-        return value(found, name, **labels) - value(start, name, **labels)
-
-    found = wait_for_metrics(
-        server,
-        lambda found: all(
-            count(found, "test_cancel_cleanup_seconds_count", *key) >= 1 for key in expected
-        ),
-    )
-    time.sleep(0.3)  # anything counted twice would show up by now
-    found = samples(get(server.port, "/metrics").body.decode())
-    for reason, phase in expected:
-        assert count(found, "test_cancelled_requests_total", reason, phase) == 1, (reason, phase)
-        assert count(found, "test_cancel_cleanup_seconds_count", reason, phase) == 1
-    server.assert_no_traceback()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            found = samples(get(port, "/metrics").body.decode())
+            if counted(found, "test_cancel_cleanup_seconds_count") == expected:
+                break
+            time.sleep(0.1)
+        time.sleep(0.3)  # anything counted twice would show up by now
+        found = samples(get(port, "/metrics").body.decode())
+        assert counted(found, "test_cancelled_requests_total") == expected
+        assert counted(found, "test_cancel_cleanup_seconds_count") == expected
+        for key, total in counted(found, "test_cancel_cleanup_seconds_sum").items():
+            if key[0] == "client disconnected":  # timed from the disconnect to the app's end
+                assert CLEANUP * expected[key] <= total < (CLEANUP + 2) * expected[key], key
+        server.assert_no_traceback()
 
 
 # -- in process ---------------------------------------------------------------------------------
 async def slow(request: Request) -> Response:
-    await asyncio.sleep(30)
+    await anyio.sleep(30)
     return PlainTextResponse("late")  # pragma: no cover
 
 
 async def slow_fallback(scope: Scope, receive: Receive, send: Send) -> None:
-    await asyncio.sleep(30)
+    await anyio.sleep(30)
 
 
 @pytest.mark.anyio
@@ -221,17 +184,9 @@ async def test_cardinality_bounded_under_a_thousand_distinct_paths() -> None:
         watch_delay=0,
     )
 
-    async def cancel_one(path: str, method: str) -> None:
-        conn = ClientConnection()
-        task = asyncio.create_task(conn.run(app, http_scope(method, path)))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        conn.disconnect()
-        await with_watchdog(task)
-
     for n in range(1000):
-        await cancel_one(f"/users/{n}/orders", "GET")
-        await cancel_one(f"/nowhere/{n}", "BREW" if n % 2 else "GET")
+        await leave(app, scope=http_scope("GET", f"/users/{n}/orders"), interval=0)
+        await leave(app, scope=http_scope("BREW" if n % 2 else "GET", f"/nowhere/{n}"), interval=0)
     found = samples(generate_latest(registry).decode())
     series = {labels for (name, labels) in found if name == "asgi_cancel_cancelled_requests_total"}
     assert len(series) == 3

@@ -12,12 +12,6 @@ from asgi_cancel.types import Message, Receive, Scope, Send
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    backend: str = request.param
-    return backend
-
-
 async def stream_app(scope: Scope, receive: Receive, send: Send) -> None:
     while (await receive()).get("more_body", False):
         pass

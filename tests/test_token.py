@@ -1,4 +1,5 @@
-"""CancelToken, current_token() and their reach into threads and callbacks."""
+"""`CancelToken`, `current_token()`, `shield()` and `detach()` (`_token.py`): their reach into
+tasks, threads and callbacks, on asyncio and trio (DESIGN.md lines 8 and 11)."""
 
 from __future__ import annotations
 
@@ -7,174 +8,34 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token, shield
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token, detach, shield
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import (
-    read_body,
-    respond,
-    run_capturing,
-    until,
-    with_watchdog,
-)
+from .helpers import cleanup_scope, leave, read_body, respond, until
 
 pytestmark = pytest.mark.anyio
 
 
-def test_current_token_outside_a_request_is_a_clear_error() -> None:
+def test_outside_a_request_current_token_is_a_clear_error_and_shield_detach_do_nothing() -> None:
     with pytest.raises(RuntimeError, match="outside a request handled by CancelOnDisconnect"):
         current_token()
+    with shield() as shielded, detach() as detached:
+        assert (shielded, detached) == (None, None)
 
 
-async def test_token_seen_by_sync_code_in_a_worker_thread() -> None:
-    """A FastAPI `def` endpoint runs in the threadpool with a copy of the context."""
-    events: list[str] = []
-    started = threading.Event()
-
-    def blocking_work() -> str:
-        token = current_token()
-        started.set()
-        for _ in range(500):  # bounded: 5 s at most
-            try:
-                token.raise_if_cancelled()
-            except asyncio.CancelledError as exc:
-                events.append(f"thread stopped: {exc}")
-                raise
-            time.sleep(0.01)
-        return "done"
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        try:
-            await asyncio.to_thread(blocking_work)
-        except asyncio.CancelledError:
-            events.append("app cancelled")
-            raise
-
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(started.is_set)
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
-    await until(lambda: len(events) == 2)
-    assert sorted(events) == ["app cancelled", "thread stopped: client disconnected"]
-
-
-async def test_wait_on_cancel_and_unregister() -> None:
-    events: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        token = current_token()
-        assert not token.cancelled
-        assert token.reason is None
-        token.on_cancel(lambda: events.append("callback"))
-        unregister = token.on_cancel(lambda: events.append("unregistered callback"))
-        unregister()
-        unregister()  # twice is harmless
-
-        async def waiter() -> None:
-            await token.wait()
-            events.append("waiter woke")
-
-        await read_body(receive)
-        waiter_task = asyncio.create_task(waiter())
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            events.append("app cancelled")
-            await asyncio.wait_for(waiter_task, 1)
-            token.on_cancel(lambda: events.append("late callback runs at once"))
-            await token.wait()  # returns at once
-            raise
-
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
-    assert events == ["callback", "waiter woke", "app cancelled", "late callback runs at once"]
-
-
-async def test_awaitable_callback_completes_even_while_app_is_cancelled() -> None:
-    """An engine abort returned by a callback finishes before the request ends."""
-    events: list[str] = []
-
-    async def abort() -> None:
-        await asyncio.sleep(0.05)
-        events.append("abort finished")
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        current_token().on_cancel(abort)
-        await read_body(receive)
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            events.append("app cancelled")
-            raise
-
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
-    assert events == ["app cancelled", "abort finished"]
-
-
-async def test_failing_callback_is_logged_and_others_still_run(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    events: list[str] = []
-
-    def broken() -> None:
-        raise ZeroDivisionError
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        current_token().on_cancel(broken)
-        current_token().on_cancel(lambda: events.append("second callback"))
-        await read_body(receive)
-        await asyncio.sleep(30)
-
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
-    assert events == ["second callback"]
-    assert any("on_cancel callback" in r.getMessage() for r in caplog.records)
-
-
-async def test_each_request_has_its_own_token() -> None:
-    tokens: list[CancelToken] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        tokens.append(current_token())
-        await respond(send)
-
-    middleware = CancelOnDisconnectMiddleware(app)
-    for _ in range(2):
-        await with_watchdog(ClientConnection().run(middleware))
-    assert len(tokens) == 2
-    assert tokens[0] is not tokens[1]
-    assert repr(tokens[0]) == "<CancelToken active>"
-
-
-def test_on_cancel_rejects_non_callable() -> None:
-    with pytest.raises(TypeError, match="callback must be callable"):
-        CancelToken().on_cancel("nope")  # type: ignore[arg-type]
-
-
-def test_standalone_token_fires() -> None:
+def test_standalone_token_fires_once() -> None:
     token = CancelToken()
     seen: list[str] = []
     token.on_cancel(lambda: seen.append("cb"))
+    with pytest.raises(TypeError, match="callback must be callable"):
+        token.on_cancel("nope")  # type: ignore[arg-type]
     token.fire("test")
     token.fire("again")  # once only
     assert token.cancelled
@@ -185,77 +46,88 @@ def test_standalone_token_fires() -> None:
     assert repr(token) == "<CancelToken cancelled, reason='test'>"
 
 
-async def test_shield_exit_then_dropped_response_does_not_leak_a_cancel_to_the_server() -> None:
+# -- callbacks and wait() -----------------------------------------------------------------------
+async def test_callbacks_and_waiters_run_at_the_disconnect_before_the_cancellation() -> None:
+    events: list[str] = []
+    woke = anyio.Event()
+
+    async def waiter(token: CancelToken) -> None:
+        await token.wait()
+        events.append("waiter woke")
+        woke.set()
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
         token = current_token()
-        with shield():
-            await until(lambda: token.cancelled)  # a commit that spans the disconnect
-        await respond(send)  # the client is gone: both sends are dropped, neither suspends
+        assert not token.cancelled
+        assert token.reason is None
 
-    conn = ClientConnection()
+        def first() -> None:
+            events.append("callback")
+            unregister_later()  # e.g. the other `abort_on_cancel` block already exited
 
-    async def server_task() -> str:
+        token.on_cancel(first)
+        unregister_later = token.on_cancel(lambda: events.append("unregistered by the first"))
+        unregister = token.on_cancel(lambda: events.append("unregistered callback"))
+        unregister()
+        unregister()  # twice is harmless
+        group.start_soon(waiter, token)
+        await read_body(receive)
         try:
-            await CancelOnDisconnectMiddleware(app)(http_scope(), conn.receive, conn.send)
-        except asyncio.CancelledError:
-            return "CancelledError escaped __call__"
-        try:
-            await asyncio.sleep(0)  # the server carries on in the same task (hypercorn: send(None))
-        except asyncio.CancelledError:
-            return "a pending cancel leaked into the server's task"
-        return "server carried on"
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
+            with cleanup_scope():
+                await woke.wait()
+            events.append("app cancelled")
+            token.on_cancel(lambda: events.append("late callback runs at once"))
+            await token.wait()  # returns at once
+            raise
 
-    task = asyncio.create_task(server_task())
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    assert await with_watchdog(task) == "server carried on"
+    async with anyio.create_task_group() as group:
+        await leave(CancelOnDisconnectMiddleware(app))
+    assert events == ["callback", "waiter woke", "app cancelled", "late callback runs at once"]
 
 
-async def test_callback_raising_cancelled_error_still_cancels_the_app() -> None:
+async def test_awaitable_callbacks_complete_and_failing_ones_are_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine abort returned by a callback finishes while the app is being cancelled,
+    before the request ends; a callback that fails is logged, and the others still run."""
     events: list[str] = []
 
+    async def abort() -> None:
+        await anyio.sleep(0.05)
+        events.append("abort finished")
+
+    def broken() -> None:
+        raise ZeroDivisionError
+
+    async def failing_abort() -> None:
+        await anyio.lowlevel.checkpoint()
+        raise ValueError("abort failed")
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         token = current_token()
-        token.on_cancel(token.raise_if_cancelled)  # a sync check reused as a callback
-        current_token().on_cancel(lambda: events.append("second callback"))
+        token.on_cancel(broken)
+        token.on_cancel(token.raise_if_cancelled)  # a sync check reused: CancelledError
+        token.on_cancel(failing_abort)
+        token.on_cancel(abort)
+        token.on_cancel(lambda: events.append("last callback"))
         await read_body(receive)
         try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
             events.append("cancelled")
             raise
 
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task, 1.0)
-    assert events == ["second callback", "cancelled"]
-
-
-async def test_callback_unregistered_by_an_earlier_callback_does_not_run() -> None:
-    calls: list[str] = []
-    unregister: list[Callable[[], None]] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        token = current_token()
-
-        def first() -> None:
-            calls.append("first")
-            unregister[0]()  # e.g. the other `abort_on_cancel` block already exited
-
-        token.on_cancel(first)
-        unregister.append(token.on_cancel(lambda: calls.append("second")))
-        await read_body(receive)
-        await asyncio.sleep(30)
-
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
-    assert calls == ["first"]
+    with caplog.at_level(logging.ERROR, logger="asgi_cancel"):
+        with anyio.fail_after(1.0):
+            conn = await leave(CancelOnDisconnectMiddleware(app))
+    events.append("request ended")
+    assert conn.app_exception is None
+    assert events == ["last callback", "cancelled", "abort finished", "request ended"]
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("on_cancel callback" in message for message in messages) == 2
+    assert any("on_cancel task failed" in message for message in messages)
 
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -273,9 +145,10 @@ def correlation_id_middleware(app: ASGIApp) -> ASGIApp:
 
 async def test_callbacks_run_in_their_own_requests_context() -> None:
     seen: list[str] = []
+    tokens: dict[str, CancelToken] = {}
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        token = current_token()
+        token = tokens[scope["path"]] = current_token()
 
         def callback() -> None:
             try:
@@ -286,51 +159,49 @@ async def test_callbacks_run_in_their_own_requests_context() -> None:
 
         token.on_cancel(callback)
         await read_body(receive)
-        await asyncio.sleep(30 if scope["path"] == "/two" else 0.01)
+        await anyio.sleep(30 if scope["path"] == "/two" else 0.01)
         await respond(send)
 
     middleware = correlation_id_middleware(CancelOnDisconnectMiddleware(app))
     one, two = ClientConnection(), ClientConnection()
-    # Two requests that start in the same event-loop iteration (one batch of watchers).
-    tasks = [
-        asyncio.create_task(one.run(middleware, http_scope(path="/one"))),
-        asyncio.create_task(two.run(middleware, http_scope(path="/two"))),
-    ]
-    await until(lambda: two.receive_calls >= 2)
-    two.disconnect()
-    await with_watchdog(asyncio.gather(*tasks))
+    # Two requests at once.
+    async with anyio.create_task_group() as group:
+        group.start_soon(one.run, middleware, http_scope(path="/one"))
+        await leave(middleware, two, http_scope(path="/two"))
     assert seen == ["/two: request_id=/two token=True"]
+    assert tokens["/one"] is not tokens["/two"]  # each request has its own
+    assert repr(tokens["/one"]) == "<CancelToken active>"
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_failing_async_callback_is_logged_not_raised(
-    anyio_backend: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    async def failing_abort() -> None:
-        await anyio.lowlevel.checkpoint()
-        raise ValueError("abort failed")
+# -- worker threads -----------------------------------------------------------------------------
+async def test_thread_that_checks_the_token_stops_at_its_next_check() -> None:
+    """A FastAPI `def` endpoint runs in the threadpool with a copy of the context."""
+    events: list[str] = []
+
+    def blocking_work() -> None:
+        token = current_token()
+        events.append("thread started")
+        for _ in range(500):  # bounded: 5 s at most
+            try:
+                token.raise_if_cancelled()
+            except asyncio.CancelledError as exc:
+                events.append(f"thread stopped: {exc}")
+                raise
+            time.sleep(0.01)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        current_token().on_cancel(failing_abort)
         await read_body(receive)
-        await anyio.sleep(30)
+        try:
+            await anyio.to_thread.run_sync(blocking_work)
+        except (asyncio.CancelledError, anyio.get_cancelled_exc_class()):
+            events.append("app cancelled")
+            raise
 
-    conn = ClientConnection()
-    escaped: list[BaseException | None] = []
-
-    async def run() -> None:
-        escaped.append(
-            await run_capturing(CancelOnDisconnectMiddleware(app), conn.receive, conn.send)
-        )
-
-    with caplog.at_level(logging.ERROR, logger="asgi_cancel"), anyio.fail_after(5):
-        async with anyio.create_task_group() as task_group:
-            task_group.start_soon(run)
-            while conn.receive_calls < 2:  # noqa: ASYNC110 (polling a plain counter)
-                await anyio.sleep(0.001)
-            conn.disconnect()
-    assert escaped == [None]
-    assert any("on_cancel task failed" in r.getMessage() for r in caplog.records)
+    started = time.monotonic()
+    conn = await leave(CancelOnDisconnectMiddleware(app), when=lambda: "thread started" in events)
+    assert events == ["thread started", "thread stopped: client disconnected", "app cancelled"]
+    assert time.monotonic() - started < 1.0  # not the 5 s the loop would take
+    assert conn.app_exception is None  # trio: asyncio's CancelledError, trio's meaning
 
 
 async def test_token_made_on_first_use_is_one_token_across_threads() -> None:
@@ -354,12 +225,79 @@ async def test_token_made_on_first_use_is_one_token_across_threads() -> None:
             await anyio.to_thread.run_sync(worker.join, 5)
         await anyio.sleep(30)
 
-    conn = ClientConnection()
-    task = asyncio.create_task(conn.run(CancelOnDisconnectMiddleware(app, watch_delay=0)))
-    await until(lambda: len(seen) == threads)
-    await until(lambda: conn.receive_calls >= 2)
-    conn.disconnect()
-    await with_watchdog(task)
+    middleware = CancelOnDisconnectMiddleware(app, watch_delay=0)
+    await leave(middleware, when=lambda: len(seen) == threads)
     assert len({id(token) for token in seen}) == 1
     assert seen[0].cancelled
     assert seen[0].reason == "client disconnected"
+
+
+# -- 8. shield() and detach() -------------------------------------------------------------------
+async def test_shield_defers_cancellation_but_token_reports_at_once() -> None:
+    """(Two shield() blocks in a row: tests/test_shield_sequences.py.)"""
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        token = current_token()
+        try:
+            with shield():
+                await until(lambda: token.cancelled)
+                events.append(f"in shield, reason={token.reason}")
+                await anyio.sleep(0.02)
+                events.append("critical section done")
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+
+    await leave(CancelOnDisconnectMiddleware(app))
+    assert events == ["in shield, reason=client disconnected", "critical section done", "cancelled"]
+
+
+async def test_detached_handler_runs_to_the_end_while_its_token_reports_the_disconnect() -> None:
+    events: list[str] = []
+    hook_calls: list[dict[str, Any]] = []
+
+    @detach()
+    async def endpoint() -> None:
+        token = current_token()
+        token.on_cancel(lambda: events.append("token fired"))
+        events.append("started")
+        await anyio.sleep(0.2)
+        with shield():  # a shield's exit inside a detached request cancels nothing either
+            await anyio.lowlevel.checkpoint()
+        await anyio.sleep(0.05)
+        events.append(f"finished cancelled={token.cancelled} detached={token.detached}")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await endpoint()
+        await respond(send)
+
+    def hook(scope: Scope, **info: Any) -> None:
+        hook_calls.append(info)
+
+    middleware = CancelOnDisconnectMiddleware(app, on_cancelled=hook, watch_delay=0)
+    await leave(middleware, scope=http_scope("POST", "/payments"), when=lambda: events != [])
+    assert events == ["started", "token fired", "finished cancelled=True detached=True"]
+    assert len(hook_calls) == 1
+    assert hook_calls[0]["response_started"] is False
+
+
+async def test_detach_as_a_context_manager_and_on_a_sync_function() -> None:
+    events: list[str] = []
+
+    @detach()
+    def sync_part() -> bool:
+        return current_token().detached
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        assert not current_token().detached
+        with detach() as token:
+            assert token is current_token()
+            events.append("started")
+            await anyio.sleep(0.1)
+        events.append(f"sync detached={sync_part()}")
+        await respond(send)
+
+    await leave(CancelOnDisconnectMiddleware(app, watch_delay=0), when=lambda: events != [])
+    assert events == ["started", "sync detached=True"]
