@@ -149,7 +149,7 @@ def _rest_of_request(
     """
     # Let go by finished(); a cancelled request's end still needs them.
     receive, send = cycle.real_receive, cycle.real_send
-    outside = False
+    outside = failed = False
     try:
         if error is not None:
             raise error
@@ -171,13 +171,22 @@ def _rest_of_request(
         if not absorbs_cancellation(cycle):
             outside = True  # server shutdown, an outer timeout: it goes on
             raise
+    except BaseException:
+        failed = True  # the app's own error: it goes on
+        raise
     finally:
         if timer is not None:
             timer.cancel()
         cycle.app_task = cycle.app_awaitable = None
         runner: AsyncioRunner | None = cycle.finished()  # type: ignore[assignment]
         if runner is not None:  # tasks are left: the watcher, an on_cancel callback's
-            yield from runner.wait_for_tasks(outside).__await__()
+            try:
+                yield from runner.wait_for_tasks(outside).__await__()
+            except asyncio.CancelledError:
+                # A level-triggered outside cancellation (an anyio scope) came again while we
+                # waited: it must not replace the app's own error, which the scope gets next.
+                if not failed:
+                    raise
     if cycle.cancelled:
         yield from _bounded(complete_cancelled(cycle, receive, send)).__await__()
 

@@ -37,10 +37,6 @@ pytestmark = pytest.mark.anyio
 THREAD_WORK = 0.3
 CLEANUP = 0.3
 # Known issues in asgi_cancel, pinned by strict xfails.
-APP_ERROR_REPLACED = (
-    "bug (asyncio): under a level-triggered outside cancellation, waiting for the watcher "
-    "after the app raised is cancelled again: CancelledError replaces the app's error"
-)
 REACTION_UNSEEN_ON_TRIO = (
     "gap (trio): an app that reacted to the disconnect itself is still cancelled `grace` "
     "after it: a shielded cleanup completes, the code after it is cut"
@@ -239,7 +235,6 @@ async def test_level_triggered_outside_cancellation_is_reraised_or_the_apps_own_
 ) -> None:
     """Server shutdown as an outer anyio scope, which cancels on every loop iteration until it
     is left: no livelock, nothing left behind, and what the app raised reaches the server."""
-    xfail_on("asyncio", request, cleanup == "raises-error", reason=APP_ERROR_REPLACED)
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
