@@ -85,9 +85,8 @@ class Cycle:
     """The middleware's view of one HTTP request/response cycle.
 
     Made by `new_cycle()`. Slim on purpose: a request that never waits touches only what
-    that sets. `send()`
-    parses nothing; the last message sent is read only when a disconnect needs to know whether
-    the response was complete.
+    that sets. `send()` parses nothing; the last message sent is read only when a disconnect
+    needs to know whether the response was complete.
     """
 
     __slots__ = (
@@ -118,12 +117,6 @@ class Cycle:
         "status",
     )
 
-    # What the server's send() returned for the last message: set with `last_sent`, read only
-    # once that says the response is complete.
-    sending: Awaitable[None]
-    started_at: float  # when the request first waited (or got its runner before that)
-    status: int  # set by stop(), read only after it
-
     scope: Scope
     bound: contextvars.Token[TokenSource]  # the cycle is the current request until finished()
     real_receive: Receive
@@ -148,6 +141,12 @@ class Cycle:
     app_waiting: int  # callers in the app's receive()
     buffer: deque[Message] | None  # read ahead by the watcher, not yet taken by the app
     buffered: int  # body bytes in `buffer`
+    # Not set by new_cycle(): what the server's send() returned for the last message (set with
+    # `last_sent`, read only once that says the response is complete), when the request first
+    # waited (or got its runner before that), and the status stop() answers with.
+    sending: Awaitable[None]
+    started_at: float
+    status: int
 
     @property
     def token(self) -> CancelToken:
@@ -468,8 +467,8 @@ def new_cycle(
     """A new `Cycle`, made the current request (`current_token()` finds it) in the caller's
     context, the request's: its constructor, as a plain function (no `__init__`: a Python
     `__init__` called by the type is a noticeable share of what a request that never waits
-    costs; `benchmarks.instructions` measures it). `started_at` and `status` are set by what
-    reads them (`ensure_runner()`, `stop()`)."""
+    costs; `benchmarks.instructions` measures it). `started_at` is set when the request first
+    waits (by the driver, or `ensure_runner()`), `status` by `stop()`."""
     cycle = Cycle()
     cycle.scope = scope
     cycle.real_receive = receive
