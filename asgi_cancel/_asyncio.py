@@ -303,6 +303,12 @@ class AsyncioRunner:
                 if not future.done():
                     future.set_result(None)
 
+    def watch_now(self) -> bool:
+        if self.watcher is None:
+            _NO_CONTEXT.run(start_watching, self.cycle)
+        watcher = self.watcher
+        return watcher is not None and not watcher.done()
+
     async def checkpoint(self) -> None:
         await asyncio.sleep(0)
 

@@ -76,6 +76,9 @@ class Runner(Canceller, Protocol):
     async def cancel_body_reader(self) -> None:
         """The app task reads its body after the client left: let its cancellation land."""
 
+    def watch_now(self) -> bool:
+        """Start the watcher if it has not started yet. Returns whether it is still watching."""
+
     def close(self) -> bool:
         """The app has returned: stop timers and scopes, leave the registry. Returns whether
         tasks are left to wait for."""
@@ -189,8 +192,13 @@ class Cycle:
                         await self.ensure_runner().cancel_body_reader()
                     return self.disconnect
                 if not self.reading:
-                    # Nobody holds the server's receive: read it ourselves, no task needed.
-                    return await self._read_for_app()
+                    if not self.body_complete or not self.ensure_runner().watch_now():
+                        # Nobody holds the server's receive: read it ourselves, no task needed.
+                        return await self._read_for_app()
+                    # After the body the app listens (vLLM's `with_cancellation`, Starlette's
+                    # stream below spec 2.4): it waits behind the watcher, where a stop (by
+                    # id, a deadline) reaches it as well as a disconnect does. Unless the
+                    # watcher has ended (uvicorn paused reading): then the app reads itself.
                 await self.ensure_runner().park()
         finally:
             self.app_waiting -= 1

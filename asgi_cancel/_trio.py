@@ -94,6 +94,7 @@ class TrioRunner:
         "tracking",
         "trio_token",
         "watch_scope",
+        "watching",
     )
 
     def __init__(self, cycle: Cycle) -> None:
@@ -101,6 +102,7 @@ class TrioRunner:
         self.parked = trio.lowlevel.ParkingLot()
         self.app_scope = trio.CancelScope()
         self.watch_scope = trio.CancelScope()
+        self.watching = True  # started with the app: until cycle.watch() returns
         self.grace_scope = trio.CancelScope()
         self.nursery: trio.Nursery | None = None
         self.deadline_scope: trio.CancelScope | None = None
@@ -130,8 +132,14 @@ class TrioRunner:
         return False
 
     async def watch_in_scope(self) -> None:
-        with self.watch_scope:
-            await self.cycle.watch()
+        try:
+            with self.watch_scope:
+                await self.cycle.watch()
+        finally:
+            self.watching = False
+
+    def watch_now(self) -> bool:
+        return self.watching
 
     async def wait_deadline(self, deadline: float) -> None:
         with self.deadline_scope or trio.CancelScope():

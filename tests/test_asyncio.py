@@ -16,7 +16,13 @@ from typing import Any
 
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token, shield
+from asgi_cancel import (
+    CancelOnDisconnectMiddleware,
+    CancelRegistry,
+    CancelToken,
+    current_token,
+    shield,
+)
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
@@ -266,6 +272,7 @@ def self_cancelling_app(
             raise
 
     async def listen(receive: Receive) -> None:
+        outcome["listening"] = True
         while (await receive())["type"] != "http.disconnect":
             pass
 
@@ -338,4 +345,31 @@ async def test_with_cancellation_gets_the_disconnect_first_and_nothing_is_orphan
     assert not orphaned, outcome
     assert (outcome["app"], outcome["handler"]) == ("disconnect won", "cancelled")
     assert conn.sent == []
+    assert conn.app_exception is None
+
+
+@pytest.mark.parametrize("watcher_reads", [False, True], ids=["listener-reads", "watcher-reads"])
+async def test_with_cancellation_cancelled_by_id_gets_the_disconnect_and_nothing_is_orphaned(
+    watcher_reads: bool,
+) -> None:
+    """A cancel by id while the client stays: the listener, even one that asked the server's
+    receive itself before the watcher started, gets http.disconnect, so the wrapper cancels its
+    handler; the client gets the 499. (Before, a listener in the server's receive never heard
+    of the stop: after `grace` the wrapper was cancelled and its handler task ran on.)"""
+    outcome: dict[str, Any] = {}
+    registry = CancelRegistry()
+    conn = ClientConnection(b"{}")
+    app = self_cancelling_app(outcome, "vllm", watcher_reads=watcher_reads)
+    middleware = CancelOnDisconnectMiddleware(app, registry=registry, grace=1)
+    scope = http_scope("POST", headers=[(b"x-request-id", b"r1")])
+    task = asyncio.create_task(conn.run(middleware, scope))
+    await until(lambda: "listening" in outcome and watching(conn))
+    assert registry.cancel("r1")
+    await with_watchdog(task)
+    handler_task = outcome["handler_task"]
+    orphaned = not handler_task.done()
+    handler_task.cancel()
+    assert not orphaned, outcome
+    assert (outcome["app"], outcome["handler"]) == ("disconnect won", "cancelled")
+    assert conn.status == 499
     assert conn.app_exception is None

@@ -111,13 +111,15 @@ async def test_a_request_within_its_deadline_is_untouched() -> None:
     assert [left is not None and 0.15 < left <= 0.3 for left in remaining] == [True, True]
 
 
-async def test_an_app_that_reacts_itself_gets_no_second_cancel() -> None:
-    """An app listening for http.disconnect (Starlette's stream below spec 2.4) gets it."""
+@pytest.mark.parametrize("watch_delay", [0, 0.5], ids=["watcher-first", "app-asks-first"])
+async def test_an_app_that_reacts_itself_gets_no_second_cancel(watch_delay: float) -> None:
+    """An app listening for http.disconnect (Starlette's stream below spec 2.4) gets it, also
+    when it asks before the watcher has started (it then waits behind the watcher, which
+    starts at once)."""
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await receive()  # the body
-        await anyio.sleep(0.01)  # meanwhile the watcher holds the server's receive
         message = await receive()  # listens: the deadline's stop delivers http.disconnect
         events.append(message["type"])
         try:
@@ -127,8 +129,7 @@ async def test_an_app_that_reacts_itself_gets_no_second_cancel() -> None:
             events.append("cancelled during cleanup")
             raise
 
-    # watch_delay=0: the watcher holds the server's receive and the app waits behind it, where
-    # the stop can reach it (an app holding the server's receive itself is cancelled after `grace`).
-    conn = await run(CancelOnDisconnectMiddleware(app, timeout=0.3, grace=1, watch_delay=0))
+    middleware = CancelOnDisconnectMiddleware(app, timeout=0.3, grace=1, watch_delay=watch_delay)
+    conn = await run(middleware)
     assert events == ["http.disconnect", "cleanup done"]
     assert conn.status == 504
