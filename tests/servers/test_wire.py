@@ -16,6 +16,7 @@ on another connection is answered at once (median of three under 100 ms).
 
 from __future__ import annotations
 
+import re
 import socket
 import statistics
 import time
@@ -32,6 +33,13 @@ pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
 PREFIXES = ("bare", "wrapped")
 PROBE_MEDIAN = 0.1
 SETTLE = 10.0
+# Errors of a server's own, seen on the bare route too, that the log check forgives (the whole
+# traceback, and the line that announces it, must end in the signature).
+SERVER_BUGS = {
+    # hypercorn's trio worker sends `100 Continue` from its reading task while the app's
+    # response is being sent from another: trio refuses two tasks sending on one stream.
+    "hypercorn-trio": "trio.BusyResourceError: another task is currently sending data",
+}
 
 
 @pytest.fixture(scope="module", params=HTTP1_SERVERS, ids=str)
@@ -59,9 +67,24 @@ def quiet_and_settled(server: Server) -> Iterator[None]:
         assert get(server.port, "/hello").body == b"hello"
         probes.append(time.monotonic() - started)
     assert statistics.median(probes) < PROBE_MEDIAN, probes
-    new = server.log()[logged:]
+    new = without_server_bugs(server, server.log()[logged:])
     for word in ("Traceback", "ERROR", "Exception in"):
         assert word not in new, f"{server.spec} logged {word!r}:\n{new[-3000:]}"
+
+
+def without_server_bugs(server: Server, log: str) -> str:
+    signature = SERVER_BUGS.get(server.spec.name)
+    if signature is None:
+        return log
+    traceback = re.compile(
+        r"^.*\[ERROR\].*\n"  # hypercorn's "[ERROR] Error in ASGI Framework"
+        r"Traceback \(most recent call last\):\n"
+        r"(?:[ \t].*\n)*"  # the frames, all indented: no chained exception
+        + re.escape(signature)
+        + r".*\n?",
+        re.MULTILINE,
+    )
+    return traceback.sub("", log)
 
 
 def responses(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
