@@ -13,8 +13,9 @@
 # through its configured find-links (this machine kind has it on disk).
 #
 # Steps and budget on a 2-core machine: install ~2-4 min the first time (0.6-0.95 GB download,
-# 2.5 GB venv), model build ~10 s, tests ~3 min (three engine start-ups of ~25-75 s each, one
-# after the other: never two vLLM engines at once on 2 cores).
+# 2.5 GB venv), model build ~10 s, tests ~4-5 min (five engine start-ups of ~20-75 s each, one
+# after the other: never two vLLM engines at once on 2 cores; each route cell runs
+# ASGI_CANCEL_VLLM_RUNS times, 2 by default), serving benchmark ~1.5 min.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -85,7 +86,10 @@ fi
 # shellcheck disable=SC2086
 "$PY" -m pip uninstall -q -y $BROKEN 2>/dev/null || true
 timeout 600 "$PY" -m pip install -q --no-deps -e "$ROOT"
-timeout 600 "$PY" -m pip install -q "pytest>=8.2" "pytest-timeout>=2.3" "httpx>=0.27" "anyio>=4.4"
+# redis: tests/vllm/test_api_servers.py's API servers cancel by id through asgi_cancel.redis (a
+# redis-server of its own, tests/redis_server.py; .ci/run installs the binary).
+timeout 600 "$PY" -m pip install -q "pytest>=8.2" "pytest-timeout>=2.3" "httpx>=0.27" "anyio>=4.4" \
+    "redis>=5.0.1"
 took "install"
 
 export VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

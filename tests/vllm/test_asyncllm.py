@@ -120,6 +120,34 @@ def test_disconnect_mid_stream(server: EngineServer) -> None:
     MEASURED["stream"] = measured
 
 
+def test_token_usage_agrees_with_the_engine(server: EngineServer) -> None:
+    """`asgi_cancel.vllm.generate` counts a request cancelled mid-generation into
+    `current_token().usage` as the EngineCore saw it: the prompt it was given, the tokens it
+    generated (all of them reached the app: vLLM drops none here), and those generated once
+    the token fired."""
+    probe = server.probe
+    request_id = new_id("usage")
+    client = RawClient(server.port).post(
+        "/mw/generate", request(request_id, stream=True, api="helper")
+    )
+    client.read_until(lambda response: lines(response) >= 20)
+    check_left_engine(server, request_id, client.close())
+    wait_for(lambda: request_id in probe.usage, 5, "the request to be over")
+    prompt, completion, after_cancel = probe.usage[request_id]
+    fired = probe.fired[request_id]
+    assert prompt == probe.prompt_tokens(request_id) > 0
+    assert completion == probe.tokens(request_id) >= 20
+    assert after_cancel == probe.tokens(request_id, after=fired)
+    MEASURED["usage"] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "after_cancel": after_cancel,
+        "engine_prompt_tokens": probe.prompt_tokens(request_id),
+        "engine_generated": probe.tokens(request_id),
+        "engine_generated_after_fire": probe.tokens(request_id, after=fired),
+    }
+
+
 def test_disconnect_mid_non_stream(server: EngineServer) -> None:
     request_id = new_id("whole")
     client = RawClient(server.port).post(
