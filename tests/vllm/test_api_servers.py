@@ -197,12 +197,6 @@ def test_cancel_on_the_broker_aborts_the_request_in_either_api_server(
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="asgi-cancel: a cancel by id hands vLLM's with_cancellation listener no "
-    "http.disconnect (it waits in the server's receive), then cancels the request task in "
-    "its asyncio.wait, orphaning the handler task: the request runs to its end",
-)
 def test_cancel_by_id_aborts_a_non_streaming_request(
     server: OpenAIServer, redis: RedisServer
 ) -> None:
