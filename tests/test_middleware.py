@@ -37,8 +37,11 @@ BAD_OPTIONS: dict[str, list[Any]] = {
     "watch_delay": [-0.001, float("inf"), "5ms"],
     "exclude": [(), ("payments",), 42, [b"/x"]],
     "registry": ["yes"],
-    "timeout": [-1, float("inf"), "30s"],  # (more deadline options: test_tracking.py)
-    "timeouts": [5, {"/x": -1}],
+    "timeout": [0, -1, float("inf"), "30s"],
+    "timeouts": [5, {"/x": -1}, {"v1": 0.5}, {"": 0.5}, {"/v1": float("inf")}],
+    # A header option must be a header name (str): one that is not could never match, or
+    # would be forwarded as a forged header.
+    "timeout_header": ["X Request Timeout", "x-request-timeout\r\nx-evil: 1", "", b"x-timeout"],
 }
 
 
