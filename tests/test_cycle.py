@@ -44,30 +44,7 @@ async def noop_send(message: Message) -> None:
     pass
 
 
-# -- 2. the body --------------------------------------------------------------------------------
-CHUNKS = [b"a" * 10, b"b" * 7, b"", b"c" * 3000, b"d"]
-
-
-@pytest.mark.parametrize("read_ahead", [0, 5, 64 * 1024], ids=["no-read-ahead", "tiny", "default"])
-@pytest.mark.parametrize("when", ["at-once", "late", "never"])
-async def test_body_reaches_app_unchanged_in_order(read_ahead: int, when: str) -> None:
-    received: list[Message] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if when != "at-once":
-            await anyio.sleep(0.02)  # the watcher has started and read ahead by now
-        while when != "never" and (not received or received[-1].get("more_body", False)):
-            received.append(await receive())
-        await respond(send)
-
-    conn = ClientConnection(CHUNKS)
-    middleware = CancelOnDisconnectMiddleware(app, read_ahead=read_ahead)
-    await with_watchdog(conn.run(middleware, http_scope("POST")))
-    assert [m["body"] for m in received] == ([] if when == "never" else CHUNKS)
-    assert [m["more_body"] for m in received] == ([] if when == "never" else [True] * 4 + [False])
-    assert conn.body == b"ok"
-
-
+# -- 2. the body (in order, none lost, whenever the app reads it: tests/test_properties.py) ----
 async def test_read_ahead_is_bounded_then_server_backpressure() -> None:
     """With read_ahead=10 the middleware holds at most one chunk past the limit."""
     server = QueueServer(*({"type": "http.request", "body": b"x" * 8, "more_body": True},) * 50)
