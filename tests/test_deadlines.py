@@ -75,7 +75,8 @@ async def test_per_route_deadlines_by_prefix_or_callable() -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         # Longer than the 0.05 s deadlines, or much longer where one must end it: a loaded
         # machine's stall must not let the app finish first.
-        seconds = 5 if expected[scope["path"]] == 504 else 0.2
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        seconds = 5 if expected[path] == 504 else 0.2
         await slow_app([], seconds=seconds)(scope, receive, send)
 
     prefixed = CancelOnDisconnectMiddleware(
@@ -83,6 +84,10 @@ async def test_per_route_deadlines_by_prefix_or_callable() -> None:
     )
     for path in ("/v1/completions", "/v1/fast/x", "/stream", "/other"):  # /other: the default
         assert (await run(prefixed, http_scope(path=path))).status == expected[path], path
+        # As uvicorn `--root-path /api` gives it: the prefixes match the path the app routes on.
+        rooted = http_scope(path="/api" + path)
+        rooted["root_path"] = "/api"
+        assert (await run(prefixed, rooted)).status == expected[path], rooted
 
     def timeouts(scope: Scope) -> float | None:
         return 0.05 if scope["path"] == "/short" else None
