@@ -275,3 +275,38 @@ def test_a_slow_redis_never_slows_a_request_that_is_not_cancelled(redis: RedisSe
     finally:
         node.close()
         proxy.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"url": "http://127.0.0.1:6379"}, "url"),
+        ({"url": b"redis://127.0.0.1"}, "url"),
+        ({"channel": ""}, "channel"),
+        ({"channel": "c" * 101}, "channel"),
+        ({"wait": 0}, "wait"),
+        ({"wait": True}, "wait"),
+        ({"connect_timeout": 60}, "connect_timeout"),
+    ],
+)
+def test_a_bad_option_is_a_value_error_naming_it(options: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=f"^{named} must be"):
+        RedisBroker(**{"url": "redis://127.0.0.1:1/0", **options})
+
+
+def test_one_registry_per_broker_no_credentials_shown_local_without_a_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = RedisBroker("redis://user:s3cret@127.0.0.1:1/0")
+    registry = CancelRegistry(broker=broker)
+    broker.bind(registry)  # the same one again: fine
+    with pytest.raises(ValueError, match="one CancelRegistry"):
+        CancelRegistry(broker=broker)
+    assert "s3cret" not in repr(broker)
+    assert "127.0.0.1:1" in repr(broker)
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        broker.start_soon()  # no running loop: nothing to listen in
+    assert [r.getMessage() for r in caplog.records] == [
+        "asgi_cancel: RedisBroker needs asyncio; cancels stay local here"
+    ]
+    assert asyncio.run(broker.cancel_elsewhere("r1", "cancelled by id")) is False
