@@ -43,13 +43,12 @@ async def test_a_passed_deadline_answers_504_or_ends_a_started_stream_cleanly(st
 @pytest.mark.parametrize(
     ("configured", "header", "status", "app_runs"),
     [
+        # (Every format accepted or refused: test_tracking.py's parse table.)
         (None, b"50ms", 504, True),
-        (None, b"0.05", 504, True),
-        (None, b"0.05s", 504, True),
         (None, b"1m", 200, True),
         (0.05, b"60s", 504, True),  # the header cannot extend the configured deadline
         (None, b"0ms", 504, False),  # no budget left
-        *((None, malformed, 400, False) for malformed in (b"soon", b"-5", b"5h", b"", b"1e3")),
+        *((None, malformed, 400, False) for malformed in (b"soon", b"")),
     ],
 )
 async def test_the_header_sets_the_deadline(

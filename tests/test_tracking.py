@@ -54,32 +54,13 @@ async def run(scope: Scope, **options: Any) -> ClientConnection:
         ("2m", 120.0),
         (" \t2 m\t ", 120.0),
         ("9" * 32, MAX_BUDGET),  # capped at a day: finite, and forwarded as such
+        # Refused:
+        *((value, None) for value in ("", "s", "1.5.5", "-1", "1e3", "nan", "inf", "5 h")),
+        *((value, None) for value in ("1 2", "1s s", "٣", "9" * 33, "1" + " " * 40)),
     ],
 )
-def test_budgets_that_parse(value: str, seconds: float) -> None:
+def test_budgets_that_parse_or_not(value: str, seconds: float | None) -> None:
     assert parse_duration(value) == seconds
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        "",
-        "s",
-        "1.5.5",
-        "-1",
-        "1e3",
-        "nan",
-        "inf",
-        "5 h",
-        "1 2",
-        "1s s",
-        "٣",
-        "9" * 33,
-        "1" + " " * 40,
-    ],
-)
-def test_budgets_that_do_not_parse(value: str) -> None:
-    assert parse_duration(value) is None
 
 
 _UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0}
