@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import anyio
@@ -45,6 +45,16 @@ async def respond(send: Send, body: bytes = b"ok", status: int = 200) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+@contextlib.contextmanager
+def noting_cancellation(events: list[str]) -> Iterator[None]:
+    """Append "cancelled" to `events` if a cancellation leaves the block (it goes on)."""
+    try:
+        yield
+    except anyio.get_cancelled_exc_class():
+        events.append("cancelled")
+        raise
+
+
 def slow_app(
     events: list[str],
     *,
@@ -63,14 +73,11 @@ def slow_app(
             token.on_cancel(lambda: events.append(f"callback:{token.reason}"))
         if read:
             events.append("body:" + (await read_body(receive)).decode())
-        try:
+        with noting_cancellation(events):
             if stream:
                 await send({"type": "http.response.start", "status": 200, "headers": []})
                 await send({"type": "http.response.body", "body": b"x", "more_body": True})
             await anyio.sleep(seconds)
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
         events.append("finished")
         if not stream:
             await send({"type": "http.response.start", "status": 200, "headers": []})

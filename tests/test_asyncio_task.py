@@ -10,6 +10,7 @@ oldest and newest supported versions).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ import anyio.to_thread
 import pytest
 from asgiref.sync import sync_to_async
 
+from asgi_cancel import _asyncio_task
 from asgi_cancel._asyncio_task import in_anyio_shield, reacting, thread_future
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyncio"])]
@@ -160,3 +162,42 @@ async def test_a_task_cancelling_its_own_work_is_seen_reacting(anyio_backend: st
     assert reacting(task, Source()) is True  # type: ignore[arg-type]
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@pytest.mark.parametrize(
+    "moved",
+    [
+        "anyio's _task_states / CancelScope._shield",
+        "anyio's AsyncIOBackend.run_sync_in_worker_thread",
+        "asgiref's SyncToAsync.__call__",
+    ],
+)
+async def test_an_internal_that_moved_is_logged_once_naming_it(
+    anyio_backend: str,
+    moved: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On a release where one moved, the check answers "no" (as before the fix it is for) and
+    says so once, at WARNING, naming the internal."""
+    from anyio._backends import _asyncio as backend
+    from asgiref.sync import SyncToAsync
+
+    monkeypatch.setattr(_asyncio_task, "_warned", set())
+    if moved.endswith("._shield"):
+        monkeypatch.setattr(backend, "_task_states", None)
+    elif moved.startswith("anyio"):
+        monkeypatch.setattr(backend, "AsyncIOBackend", object)
+    else:
+        monkeypatch.delattr(SyncToAsync, "__call__")
+    future = asyncio.get_running_loop().create_future()
+    task = asyncio.get_running_loop().create_task(asyncio.wait_for(future, 5))
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        for _ in range(3):
+            assert not in_anyio_shield(task)
+            assert thread_future(task, None) is None
+    future.set_result(None)
+    await task
+    (message,) = [record.getMessage() for record in caplog.records if record.name == "asgi_cancel"]
+    assert message.startswith(f"asgi_cancel: {moved} is not where this version expects it")

@@ -20,7 +20,7 @@ from asgi_cancel import (
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import WATCHDOG, respond, running, slow_app, until, with_watchdog
+from .helpers import WATCHDOG, QueueServer, respond, running, slow_app, until, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
@@ -190,3 +190,15 @@ async def test_the_endpoint_cancels_a_running_request() -> None:
         {"id": "r1", "cancelled": False},
     )
     assert (await call(endpoint, "POST", "/requests/a/b/c", secret))[0] == 404
+
+
+async def test_the_endpoint_mounted_alone_serves_the_lifespan_and_no_websocket() -> None:
+    endpoint = cancel_endpoint(CancelRegistry(), authorize=None)
+    server = QueueServer({"type": "lifespan.startup"}, {"type": "lifespan.shutdown"})
+    await with_watchdog(endpoint({"type": "lifespan"}, server.receive, server.send))
+    await with_watchdog(endpoint({"type": "websocket"}, server.receive, server.send))
+    assert server.sent == [
+        {"type": "lifespan.startup.complete"},
+        {"type": "lifespan.shutdown.complete"},
+    ]
+    assert server.receive_calls == 2  # the websocket was not even received from

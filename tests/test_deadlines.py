@@ -43,13 +43,12 @@ async def test_a_passed_deadline_answers_504_or_ends_a_started_stream_cleanly(st
 @pytest.mark.parametrize(
     ("configured", "header", "status", "app_runs"),
     [
+        # (Every format accepted or refused: test_tracking.py's parse table.)
         (None, b"50ms", 504, True),
-        (None, b"0.05", 504, True),
-        (None, b"0.05s", 504, True),
         (None, b"1m", 200, True),
         (0.05, b"60s", 504, True),  # the header cannot extend the configured deadline
         (None, b"0ms", 504, False),  # no budget left
-        *((None, malformed, 400, False) for malformed in (b"soon", b"-5", b"5h", b"", b"1e3")),
+        *((None, malformed, 400, False) for malformed in (b"soon", b"")),
     ],
 )
 async def test_the_header_sets_the_deadline(
@@ -75,7 +74,8 @@ async def test_per_route_deadlines_by_prefix_or_callable() -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         # Longer than the 0.05 s deadlines, or much longer where one must end it: a loaded
         # machine's stall must not let the app finish first.
-        seconds = 5 if expected[scope["path"]] == 504 else 0.2
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        seconds = 5 if expected[path] == 504 else 0.2
         await slow_app([], seconds=seconds)(scope, receive, send)
 
     prefixed = CancelOnDisconnectMiddleware(
@@ -83,6 +83,10 @@ async def test_per_route_deadlines_by_prefix_or_callable() -> None:
     )
     for path in ("/v1/completions", "/v1/fast/x", "/stream", "/other"):  # /other: the default
         assert (await run(prefixed, http_scope(path=path))).status == expected[path], path
+        # As uvicorn `--root-path /api` gives it: the prefixes match the path the app routes on.
+        rooted = http_scope(path="/api" + path)
+        rooted["root_path"] = "/api"
+        assert (await run(prefixed, rooted)).status == expected[path], rooted
 
     def timeouts(scope: Scope) -> float | None:
         return 0.05 if scope["path"] == "/short" else None

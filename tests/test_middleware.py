@@ -37,8 +37,11 @@ BAD_OPTIONS: dict[str, list[Any]] = {
     "watch_delay": [-0.001, float("inf"), "5ms"],
     "exclude": [(), ("payments",), 42, [b"/x"]],
     "registry": ["yes"],
-    "timeout": [-1, float("inf"), "30s"],  # (more deadline options: test_tracking.py)
-    "timeouts": [5, {"/x": -1}],
+    "timeout": [0, -1, float("inf"), "30s"],
+    "timeouts": [5, {"/x": -1}, {"v1": 0.5}, {"": 0.5}, {"/v1": float("inf")}],
+    # A header option must be a header name (str): one that is not could never match, or
+    # would be forwarded as a forged header.
+    "timeout_header": ["X Request Timeout", "x-request-timeout\r\nx-evil: 1", "", b"x-timeout"],
 }
 
 
@@ -86,10 +89,11 @@ async def test_non_http_scopes_pass_through_untouched(scope_type: str) -> None:
     [
         (("/payments/",), "/payments/42", True),
         ("/payments/", "/payments/42", True),
+        ("/payments/", "/api/payments/42", True),  # under uvicorn's `--root-path /api`
         (lambda scope: scope["path"].startswith("/payments/"), "/payments/42", True),
         (("/payments/",), "/payment", False),
     ],
-    ids=["prefixes", "one-prefix", "predicate", "not-excluded"],
+    ids=["prefixes", "one-prefix", "under-a-root-path", "predicate", "not-excluded"],
 )
 async def test_excluded_route_is_passed_through_and_never_cancelled(
     exclude: Any, path: str, excluded: bool
@@ -104,7 +108,10 @@ async def test_excluded_route_is_passed_through_and_never_cancelled(
 
     middleware = CancelOnDisconnectMiddleware(app, exclude=exclude, watch_delay=0)
     conn = ClientConnection()
-    await leave(middleware, conn, http_scope("POST", path), when=lambda: seen != [])
+    scope = http_scope("POST", path)
+    if path.startswith("/api/"):
+        scope["root_path"] = "/api"  # the root in both `root_path` and `path`
+    await leave(middleware, conn, scope, when=lambda: seen != [])
     assert events == (["finished"] if excluded else ["cancelled"])
     assert (seen == [(conn.receive, conn.send)]) is excluded  # the server's own callables
 

@@ -577,23 +577,6 @@ class ClientDisconnectError(Exception):
     """What Starlette's `request.body()` raises on `http.disconnect` (ClientDisconnect)."""
 
 
-async def test_shield_entered_right_after_a_thread_is_not_interrupted() -> None:
-    events: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await anyio.to_thread.run_sync(time.sleep, 0.1)  # the client leaves meanwhile
-        with shield():
-            try:
-                await anyio.sleep(0.01)  # e.g. `await db.commit()`
-                events.append("shielded work done")
-            except cancelled_exceptions():
-                events.append("cancelled inside shield()")
-                raise
-
-    assert await leave_during(app, [b""]) is None
-    assert events == ["shielded work done"]
-
-
 async def _read_body_or_raise(receive: Receive) -> None:
     while True:
         message = await receive()

@@ -8,9 +8,11 @@ import contextvars
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import pytest
 
@@ -18,7 +20,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import cleanup_scope, leave, read_body, respond, until
+from .helpers import cleanup_scope, leave, noting_cancellation, read_body, respond, until
 
 pytestmark = pytest.mark.anyio
 
@@ -113,11 +115,8 @@ async def test_awaitable_callbacks_complete_and_failing_ones_are_logged(
         token.on_cancel(abort)
         token.on_cancel(lambda: events.append("last callback"))
         await read_body(receive)
-        try:
+        with noting_cancellation(events):
             await anyio.sleep(30)
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
 
     with caplog.at_level(logging.ERROR, logger="asgi_cancel"):
         with anyio.fail_after(1.0):
@@ -234,24 +233,56 @@ async def test_token_made_on_first_use_is_one_token_across_threads() -> None:
 
 # -- 8. shield() and detach() -------------------------------------------------------------------
 async def test_shield_defers_cancellation_but_token_reports_at_once() -> None:
-    """(Two shield() blocks in a row: tests/test_shield_sequences.py.)"""
     events: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         token = current_token()
-        try:
+        with noting_cancellation(events):
             with shield():
                 await until(lambda: token.cancelled)
                 events.append(f"in shield, reason={token.reason}")
                 await anyio.sleep(0.02)
                 events.append("critical section done")
             await anyio.sleep(30)
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
 
     await leave(CancelOnDisconnectMiddleware(app))
     assert events == ["in shield, reason=client disconnected", "critical section done", "cancelled"]
+
+
+@pytest.mark.parametrize("first", ["shield", "thread", "shield-in-thread"])
+async def test_a_shield_right_after_a_deferred_cancellation_is_not_interrupted(first: str) -> None:
+    """The client leaves during a first step whose end the cancellation waits for: a `shield()`
+    block (its deferred cancellation used to land inside the next one), a worker thread (found
+    by tests/test_properties.py, the client leaving mid-body), or a `shield()` in a worker
+    thread (a FastAPI `def` endpoint's commit). A `shield()` entered synchronously right after
+    it (a second commit) still runs to its end; the cancellation lands at the next await."""
+    events: list[str] = []
+    conn = ClientConnection([b""], body_delay=0.2) if first == "thread" else ClientConnection()
+
+    def in_a_thread() -> None:
+        with shield() if first == "shield-in-thread" else nullcontext():
+            anyio.from_thread.run_sync(conn.disconnect)  # the client leaves meanwhile
+            time.sleep(0.05)
+            events.append("first step done")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        with noting_cancellation(events):
+            if first == "shield":
+                with shield():
+                    conn.disconnect()
+                    await anyio.sleep(0.05)
+                    events.append("first step done")
+            else:
+                await anyio.to_thread.run_sync(in_a_thread)
+            with shield():  # e.g. `await db.commit()`
+                await anyio.sleep(0.05)
+                events.append("shielded step done")
+            await anyio.sleep(30)
+
+    with anyio.fail_after(5):
+        await conn.run(CancelOnDisconnectMiddleware(app, watch_delay=0))
+    assert conn.app_exception is None
+    assert events == ["first step done", "shielded step done", "cancelled"]
 
 
 async def test_detached_handler_runs_to_the_end_while_its_token_reports_the_disconnect() -> None:

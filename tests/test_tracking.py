@@ -54,32 +54,13 @@ async def run(scope: Scope, **options: Any) -> ClientConnection:
         ("2m", 120.0),
         (" \t2 m\t ", 120.0),
         ("9" * 32, MAX_BUDGET),  # capped at a day: finite, and forwarded as such
+        # Refused:
+        *((value, None) for value in ("", "s", "1.5.5", "-1", "1e3", "nan", "inf", "5 h")),
+        *((value, None) for value in ("1 2", "1s s", "٣", "9" * 33, "1" + " " * 40)),
     ],
 )
-def test_budgets_that_parse(value: str, seconds: float) -> None:
+def test_budgets_that_parse_or_not(value: str, seconds: float | None) -> None:
     assert parse_duration(value) == seconds
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        "",
-        "s",
-        "1.5.5",
-        "-1",
-        "1e3",
-        "nan",
-        "inf",
-        "5 h",
-        "1 2",
-        "1s s",
-        "٣",
-        "9" * 33,
-        "1" + " " * 40,
-    ],
-)
-def test_budgets_that_do_not_parse(value: str) -> None:
-    assert parse_duration(value) is None
 
 
 _UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0}
@@ -196,26 +177,6 @@ def test_every_valid_id_is_safe_in_a_path_a_header_and_a_log_line(value: str) ->
 
 
 # -- options ------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("options", "named"),
-    [
-        ({"timeout_header": "X Request Timeout"}, "timeout_header"),
-        ({"timeout_header": "x-request-timeout\r\nx-evil: 1"}, "timeout_header"),
-        ({"timeout_header": ""}, "timeout_header"),
-        ({"timeout_header": b"x-request-timeout"}, "timeout_header"),
-        ({"timeouts": {"v1": 0.5}}, "timeouts"),
-        ({"timeouts": {"": 0.5}}, "timeouts"),
-        ({"timeouts": {"/v1": float("inf")}}, "timeouts"),
-        ({"timeout": 0}, "timeout"),
-    ],
-)
-def test_a_misconfigured_option_is_a_value_error_naming_it(
-    options: dict[str, Any], named: str
-) -> None:
-    with pytest.raises(ValueError, match=named):
-        CancelOnDisconnectMiddleware(answer_with_the_token, **options)
-
-
 @pytest.mark.parametrize("header", ["X Request Id", "x-request-id:", "", "é"])
 def test_a_registry_header_that_is_not_a_header_name_is_a_value_error(header: str) -> None:
     with pytest.raises(ValueError, match="header"):
@@ -234,46 +195,3 @@ def test_a_registry_header_that_is_not_a_header_name_is_a_value_error(header: st
 )
 def test_route_path_drops_the_root_path(path: str, root: str, routed: str) -> None:
     assert route_path({"path": path, "root_path": root}) == routed
-
-
-def rooted(path: str) -> Scope:
-    """As uvicorn `--root-path /api` gives it: the root in both `root_path` and `path`."""
-    scope = http_scope("GET", "/api" + path)
-    scope["root_path"] = "/api"
-    return scope
-
-
-async def test_a_route_excluded_by_prefix_is_excluded_under_a_root_path() -> None:
-    events: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await anyio.sleep(0.3)
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
-        events.append("finished")
-
-    conn = ClientConnection()
-    with anyio.fail_after(WATCHDOG):
-        async with anyio.create_task_group() as group:
-            group.start_soon(
-                conn.run,
-                CancelOnDisconnectMiddleware(app, exclude="/payments/"),
-                rooted("/payments/1"),
-            )
-            await anyio.sleep(0.05)
-            conn.disconnect()
-    assert events == ["finished"]
-
-
-async def test_per_route_deadlines_match_under_a_root_path() -> None:
-    middleware = CancelOnDisconnectMiddleware(
-        answer_with_the_token, timeout=0.5, timeouts={"/payments/": None, "/fast": 0.1}
-    )
-    for path, remaining in (("/payments/1", None), ("/fast", 0.1), ("/other", 0.5)):
-        conn = ClientConnection()
-        with anyio.fail_after(WATCHDOG):
-            await conn.run(middleware, rooted(path))
-        got = json.loads(conn.body)["remaining"]
-        assert (got is None) if remaining is None else (0 < got <= remaining), (path, got)

@@ -133,7 +133,7 @@ def test_an_unknown_id_answers_404_within_the_bounded_wait(
     server, _ = workers
     status, _, took = cancel(server, "nobody-" + new_id())
     assert status == 404
-    assert took < 2.0 + 1.0  # the broker's wait (2 s here), not more
+    assert took < 2.0  # every worker said no: not the broker's bound (2 s here)
 
 
 def test_two_servers_as_two_machines(environment: None, tmp_path: Path) -> None:
