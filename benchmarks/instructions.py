@@ -30,7 +30,11 @@ from ._util import ROOT, emit, table
 ROWS = {
     "hello": "hello world, never awaits",
     "sleep": "awaits asyncio.sleep(0.001), then answers",
+    "watched": "awaits asyncio.sleep(0.02) (watched), then answers",
+    "stream": "awaits asyncio.sleep(0.02), then 64 SSE chunks, yielding before each",
 }
+# The stream row's chunks: what an LLM server's token stream looks like to the middleware.
+CHUNKS = 64
 WRAPS = ("bare", "asgi-cancel")
 REQUESTS = 2000
 WARM_UP = 300
@@ -50,6 +54,13 @@ _START = {
     "headers": [(b"content-type", b"text/plain"), (b"content-length", b"5")],
 }
 _BODY = {"type": "http.response.body", "body": b"hello"}
+_SSE_START = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", b"text/event-stream")],
+}
+_CHUNK = {"type": "http.response.body", "body": b"data: token\n\n", "more_body": True}
+_END = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
 # -- server side (under valgrind) -------------------------------------------------------------
@@ -63,7 +74,21 @@ def build_app(row: str, wrap: str, watch_delay: float | None = None) -> Any:
         await send(dict(_START))
         await send(dict(_BODY))
 
-    return wrapped(hello if row == "hello" else sleep, wrap, watch_delay)
+    async def watched(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(0.02)
+        await send(dict(_START))
+        await send(dict(_BODY))
+
+    async def stream(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(0.02)
+        await send(dict(_SSE_START))
+        for _ in range(CHUNKS):
+            await asyncio.sleep(0)  # an engine's next output
+            await send(dict(_CHUNK))
+        await send(dict(_END))
+
+    apps = {"hello": hello, "sleep": sleep, "watched": watched, "stream": stream}
+    return wrapped(apps[row], wrap, watch_delay)
 
 
 def wrapped(app: Any, wrap: str, watch_delay: float | None = None) -> Any:
@@ -197,10 +222,17 @@ def _request(sock: socket.socket, path: str) -> None:
         data += receive()
     head, _, body = data.partition(b"\r\n\r\n")
     length = 0
+    chunked = False
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
+        name = name.strip().lower()
+        if name == b"content-length":
             length = int(value)
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    if chunked:  # the stream row: its body ends with the last, empty chunk
+        while not body.endswith(b"0\r\n\r\n"):
+            body += receive()
     while len(body) < length:
         body += receive()
 
