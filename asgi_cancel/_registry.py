@@ -238,6 +238,9 @@ class CancelRegistry:
         Args:
             alias: another id for the request, of the same characters as a request id.
 
+        A cancel by `alias` that came within the last `remember` seconds, before any request
+        had it, stops the request now, as it would a request arriving with that id.
+
         Returns:
             True if `alias` now names the current request; False outside a request of a
             middleware with this registry, once the request has ended, or for a value no
@@ -259,6 +262,10 @@ class CancelRegistry:
             if alias not in aliases:
                 aliases.append(alias)
                 self.register(alias, cycle, call_soon_threadsafe)
+                if self.cancelled_before_it_came(alias):
+                    # Cancelled by it before it was one: stopped as by a cancel from another
+                    # task (soon, not inside the app's own call).
+                    call_soon_threadsafe(lambda: cycle.stop(CANCELLED, CANCELLED_STATUS))
         return True
 
     def remember_cancel(self, request_id: str) -> None:

@@ -220,3 +220,17 @@ async def test_an_alias_after_the_request_ended_is_refused() -> None:
         done.set()
     assert results == [False]
     assert "too-late" not in registry
+
+
+async def test_a_cancel_by_an_alias_before_it_was_one_stops_the_request() -> None:
+    events: list[str] = []
+    registry = CancelRegistry()
+    assert registry.cancel("chatcmpl-early") is False  # nothing has that name yet: remembered
+    middleware = CancelOnDisconnectMiddleware(
+        aliasing_app(events, registry, "chatcmpl-early"), registry=registry
+    )
+    async with running(middleware, with_header(b"early")) as conn:
+        pass
+    assert conn.status == 499
+    assert events == ["aliased:True", "body:", "cancelled"]
+    assert len(registry) == 0
