@@ -199,6 +199,7 @@ class Tracking:
             # A copy: the app may send the same list again (Starlette's `raw_headers`).
             return send({**message, "headers": [*headers, (header, value)]})
 
+        send_with_request_id.__wrapped__ = send  # type: ignore[attr-defined]  # (_servers)
         return send_with_request_id
 
     @staticmethod

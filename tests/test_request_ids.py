@@ -6,14 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, current_token
 from asgi_cancel._token import current_source
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import ASGIApp, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
-from .helpers import WATCHDOG, respond, running, slow_app, until
+from .helpers import WATCHDOG, noting_cancellation, respond, running, slow_app, until
 
 pytestmark = pytest.mark.anyio
 
@@ -234,3 +235,52 @@ async def test_a_cancel_by_an_alias_before_it_was_one_stops_the_request() -> Non
     assert conn.status == 499
     assert events == ["aliased:True", "body:", "cancelled"]
     assert len(registry) == 0
+
+
+class HypercornLike:
+    """A server the middleware recognises by its `send` (hypercorn's h1 stream)."""
+
+    __module__ = "hypercorn.protocol.http_stream"
+
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+        self.gone = anyio.Event()
+
+    async def receive(self) -> Message:
+        if not self.sent:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize("recognised", [True, False], ids=["hypercorn", "control-unknown"])
+async def test_a_stopped_stream_is_still_cut_behind_the_id_on_the_response(
+    recognised: bool,
+) -> None:
+    """The id's wrapper of `send` does not hide the server: a stream stopped by id is cut
+    (no final body message) where the server is recognised, ended cleanly where not."""
+    registry = CancelRegistry()
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await anyio.lowlevel.checkpoint()  # the response starts after the app's first step
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        with noting_cancellation(events):
+            await anyio.sleep(WATCHDOG * 2)
+
+    server = HypercornLike()
+    send = server.send if recognised else (lambda message: server.send(message))
+    middleware = CancelOnDisconnectMiddleware(app, registry=registry)
+    with anyio.fail_after(WATCHDOG):
+        async with anyio.create_task_group() as group:
+            group.start_soon(middleware, with_header(b"cut-1"), server.receive, send)
+            await until(lambda: len(server.sent) == 2)
+            assert registry.cancel("cut-1") is True
+    assert events == ["cancelled"]
+    assert server.sent[0]["headers"] == [(b"x-request-id", b"cut-1")]
+    ends = [m for m in server.sent[2:] if not m.get("more_body", False)]
+    assert (ends == []) is recognised
