@@ -34,7 +34,7 @@ def _owner(function: object) -> Any:
 def _server_send(send: Send) -> Send:
     """The server's `send` behind the middleware's own wrapper (`_tracking`'s, which adds the
     request id to the response start and hands every other message on unchanged)."""
-    if getattr(send, "__module__", None) == "asgi_cancel._tracking":
+    if type(send).__module__ == "asgi_cancel._tracking":
         wrapped: Send = getattr(send, "__wrapped__", send)
         return wrapped
     return send

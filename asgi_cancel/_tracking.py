@@ -27,7 +27,7 @@ from ._registry import (
 )
 from ._report import escaped
 from ._responses import refuse
-from .types import Message, Scope, Send
+from .types import Message, Scope
 
 if TYPE_CHECKING:
     from ._cycle import Cycle
@@ -153,7 +153,7 @@ class Tracking:
             elif not valid_request_id(request_id):
                 expected = f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}"
                 return self._refuse(cycle, self.id_header, request_id, expected)
-            cycle.real_send = self._send_with_id(cycle, self.id_header, request_id)
+            cycle.real_send = SendWithId(cycle, self.id_header, request_id)
             if self.registry is not None and self.registry.cancelled_before_it_came(request_id):
                 return refuse(cycle.real_send, CANCELLED_STATUS, CANCELLED)
             token.request_id = request_id
@@ -178,31 +178,6 @@ class Tracking:
         return None
 
     @staticmethod
-    def _send_with_id(cycle: Cycle, header: bytes, request_id: str) -> Send:
-        """The server's `send` with the request's id added to the response start as `header`,
-        unless the app set that header itself (its own id is kept: one header, the app's).
-        Every response of a request with an id carries it, the middleware's own (499, 504)
-        included; a refused id never gets here."""
-        send = cycle.real_send
-        value = request_id.encode("ascii")
-
-        def send_with_request_id(message: Message) -> Awaitable[None]:
-            if message["type"] != "http.response.start":
-                return send(message)
-            if cycle.real_send is send_with_request_id:
-                # Only the start needs us: the body goes to the server's send directly.
-                cycle.real_send = send
-            headers = message.get("headers", ())
-            for name, _ in headers:
-                if name.lower() == header:
-                    return send(message)
-            # A copy: the app may send the same list again (Starlette's `raw_headers`).
-            return send({**message, "headers": [*headers, (header, value)]})
-
-        send_with_request_id.__wrapped__ = send  # type: ignore[attr-defined]  # (_servers)
-        return send_with_request_id
-
-    @staticmethod
     def _refuse(cycle: Cycle, header: bytes, value: str, expected: str) -> Awaitable[None]:
         name = header.decode("ascii")
         logger.info(
@@ -225,3 +200,38 @@ class Tracking:
         request_id = cycle.token.request_id
         if self.registry is not None and request_id is not None:
             self.registry.unregister(request_id, cycle)
+
+
+class SendWithId:
+    """The server's `send` with the request's id added to the response start as `header`,
+    unless the app set that header itself (its own id is kept: one header, the app's).
+
+    Every response of a request with an id carries it, the middleware's own (499, 504)
+    included; a refused id never gets here. Only the start needs it: once the start has
+    passed, the cycle sends to the server's `send` directly again. A class, not a closure
+    that names itself (that would be a reference cycle, left to the garbage collector).
+    `__wrapped__` is the server's `send`, for `_servers` to recognise the server behind it.
+    """
+
+    __slots__ = ("__wrapped__", "cycle", "header", "value")
+
+    def __init__(self, cycle: Cycle, header: bytes, request_id: str) -> None:
+        self.__wrapped__ = cycle.real_send
+        self.cycle = cycle
+        self.header = header
+        self.value = request_id.encode("ascii")
+
+    def __call__(self, message: Message) -> Awaitable[None]:
+        send = self.__wrapped__
+        if message["type"] != "http.response.start":
+            return send(message)
+        cycle = self.cycle
+        if cycle.real_send is self:
+            cycle.real_send = send
+        header = self.header
+        headers = message.get("headers", ())
+        for name, _ in headers:
+            if name.lower() == header:
+                return send(message)
+        # A copy: the app may send the same list again (Starlette's `raw_headers`).
+        return send({**message, "headers": [*headers, (header, self.value)]})

@@ -3,6 +3,8 @@ registry's header) and `CancelRegistry.alias()` (ids the app shows instead of th
 
 from __future__ import annotations
 
+import gc
+import sys
 from typing import Any
 
 import anyio
@@ -284,3 +286,29 @@ async def test_a_stopped_stream_is_still_cut_behind_the_id_on_the_response(
     assert server.sent[0]["headers"] == [(b"x-request-id", b"cut-1")]
     ends = [m for m in server.sent[2:] if not m.get("more_body", False)]
     assert (ends == []) is recognised
+
+
+@pytest.mark.asyncio_only(reason="on trio a finished cycle waits for the garbage collector")
+@pytest.mark.parametrize("sent", [True, False], ids=["sent-id", "generated-id"])
+async def test_a_request_with_an_id_is_freed_by_refcount(sent: bool) -> None:
+    """The id on the response leaves no reference cycle: the request's cycle (and its token)
+    goes as soon as the request ends, not at the garbage collector's next pass."""
+    tokens: list[Any] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        tokens.append(current_token())
+        await respond(send)
+
+    async def one_request() -> None:  # its locals are gone when it returns
+        scope = with_header(b"freed-1") if sent else http_scope()
+        await served(app, scope, registry=CancelRegistry())
+
+    gc.disable()
+    try:
+        await one_request()
+        # getrefcount: the list's reference and the argument's, nothing else (computed
+        # outside the assert: pytest's rewriting would hold one more reference).
+        count = sys.getrefcount(tokens[0])
+        assert count == 2
+    finally:
+        gc.enable()
