@@ -6,8 +6,15 @@ import hmac
 import json
 from collections.abc import Callable
 
-from ._registry import CANCELLED, CancelRegistry, header_name
-from ._tracking import ID_CHARACTERS, MAX_ID_LENGTH, route_path, valid_request_id
+from ._registry import (
+    CANCELLED,
+    ID_CHARACTERS,
+    MAX_ID_LENGTH,
+    CancelRegistry,
+    header_name,
+    valid_request_id,
+)
+from ._tracking import route_path
 from .types import ASGIApp, Receive, Scope, Send
 
 Authorize = Callable[[Scope], bool]
@@ -43,17 +50,23 @@ def require_header(name: str, secret: str) -> Authorize:
 def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) -> ASGIApp:
     """An ASGI app that cancels running requests by id: `POST /{id}/cancel` or `DELETE /{id}`.
 
-    Mount it where gateways and operators can reach it and clients cannot (Starlette:
-    `Mount("/requests", cancel_endpoint(registry, authorize=...))`). Paths are taken
-    relative to `scope["root_path"]`. The endpoint never blocks its event loop: a request
-    running on another thread's loop is stopped there (`registry.acancel()`). Answers, as JSON:
+    Mount it where gateways and operators can reach it and clients cannot, at `/v1/requests`
+    for the shape other servers answer (`POST /v1/requests/{id}/cancel`, `DELETE
+    /v1/requests/{id}`; Starlette: `Mount("/v1/requests", cancel_endpoint(registry,
+    authorize=...))`). Paths are taken relative to `scope["root_path"]`. The endpoint never
+    blocks its event loop: a request running on another thread's loop is stopped there, and
+    with a broker the other processes answer within its `wait` (`registry.acancel()`).
+    Answers, as JSON:
 
-    - 202 `{"id": ..., "cancelled": true}`: the request was running and is now cancelled
-      (its client gets a 499, or the end of its stream);
-    - 404 `{"id": ..., "cancelled": false}`: no such request running (unknown, finished, or
-      already cancelled);
+    - 200 `{"id": ..., "cancelled": true}`: the request was running and is now cancelled (its
+      client gets a 499, or the end of its stream, once its app has cleaned up);
+    - 404 `{"id": ..., "cancelled": false}`: no such request running anywhere the registry
+      reaches (unknown, finished, its response already complete, or already cancelled);
     - 400 for an id that no request can have (see `CancelRegistry`);
     - 403 when `authorize(scope)` is false, 405 for another method, 404 for another path.
+
+    A 200 or 404 carries the id in the registry's header (`X-Request-Id: ...`), as the
+    responses of the requests themselves do.
 
     Args:
         registry: the `CancelRegistry` given to `CancelOnDisconnectMiddleware`.
@@ -61,6 +74,7 @@ def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) ->
             secret)`; required, pass None explicitly to accept every caller (only behind a
             port that nobody else can reach).
     """
+    id_header = registry.header.encode("ascii")
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,7 +104,12 @@ def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) ->
             await _answer(send, 400, {"error": message})
             return
         cancelled = await registry.acancel(request_id, CANCELLED)
-        await _answer(send, 202 if cancelled else 404, {"id": request_id, "cancelled": cancelled})
+        await _answer(
+            send,
+            200 if cancelled else 404,
+            {"id": request_id, "cancelled": cancelled},
+            [(id_header, request_id.encode("ascii"))],
+        )
 
     return app
 

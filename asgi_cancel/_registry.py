@@ -10,15 +10,20 @@ import sys
 import threading
 from collections.abc import Callable
 from time import monotonic
-from typing import Protocol
+from typing import Protocol, cast
+
+from ._token import current_source
 
 __all__ = [
     "CANCELLED",
     "CANCELLED_STATUS",
+    "ID_CHARACTERS",
+    "MAX_ID_LENGTH",
     "Broker",
     "CancelRegistry",
     "Stoppable",
     "header_name",
+    "valid_request_id",
 ]
 
 CANCELLED = "cancelled by id"
@@ -31,6 +36,15 @@ THREAD_TIMEOUT = 10.0
 MAX_REMEMBERED = 10_000
 # RFC 9110's token: what a header name may be made of.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
+# A request id: 1 to 200 characters that are safe in a URL path, a header and a log line.
+MAX_ID_LENGTH = 200
+ID_CHARACTERS = "A-Z a-z 0-9 . _ ~ : + = @ -"
+_ID = re.compile(rf"[A-Za-z0-9._~:+=@-]{{1,{MAX_ID_LENGTH}}}", re.ASCII)
+
+
+def valid_request_id(value: str) -> bool:
+    """Whether `value` is an acceptable request id: 1 to `MAX_ID_LENGTH` of `ID_CHARACTERS`."""
+    return len(value) <= MAX_ID_LENGTH and _ID.fullmatch(value) is not None
 
 
 def header_name(option: str, value: object) -> bytes:
@@ -120,6 +134,9 @@ class CancelRegistry:
         self._tables: dict[int, _Table] = {}  # by thread: each changed by its own loop only
         self._lock = threading.Lock()  # for the remembered cancels
         self._remembered: dict[str, float] = {}  # id -> when it is forgotten
+        # Running requests' aliases (`alias()`); changed by each request's own loop, as the
+        # tables are.
+        self._aliases: dict[Stoppable, list[str]] = {}
         self.broker = broker
         self._broker_idle = broker is not None  # not yet started in an event loop
         if broker is not None:
@@ -208,6 +225,48 @@ class CancelRegistry:
             concurrent.futures.wait, handed, THREAD_TIMEOUT
         )
         return stopped or bool(pending_set) or any(future.result() for future in done_set)
+
+    def alias(self, alias: str) -> bool:
+        """Make the current request findable by `alias` too, until it ends.
+
+        For an id the app shows its client instead of the request's own, such as vLLM's
+        `chatcmpl-...` (`asgi_cancel.vllm.OpenAIRequestIds` calls this): a cancel by either
+        stops the request, in this process or, through the broker, from another. Call it in
+        the request's event loop (its handler, or a task it started); not from a worker
+        thread.
+
+        Args:
+            alias: another id for the request, of the same characters as a request id.
+
+        A cancel by `alias` that came within the last `remember` seconds, before any request
+        had it, stops the request now, as it would a request arriving with that id.
+
+        Returns:
+            True if `alias` now names the current request; False outside a request of a
+            middleware with this registry, once the request has ended, or for a value no
+            request id can be (`alias` is then ignored).
+        """
+        source = current_source()
+        if source is None or not isinstance(alias, str) or not valid_request_id(alias):
+            return False
+        request_id = source.token.request_id
+        table = self._tables.get(threading.get_ident())
+        if request_id is None or table is None:
+            return False
+        cycle = cast(Stoppable, source)  # the middleware's cycle: both a source and stoppable
+        call_soon_threadsafe = table.get(request_id, {}).get(cycle)
+        if call_soon_threadsafe is None:  # not registered on this thread, or over
+            return False
+        if alias != request_id:
+            aliases = self._aliases.setdefault(cycle, [])
+            if alias not in aliases:
+                aliases.append(alias)
+                self.register(alias, cycle, call_soon_threadsafe)
+                if self.cancelled_before_it_came(alias):
+                    # Cancelled by it before it was one: stopped as by a cancel from another
+                    # task (soon, not inside the app's own call).
+                    call_soon_threadsafe(lambda: cycle.stop(CANCELLED, CANCELLED_STATUS))
+        return True
 
     def remember_cancel(self, request_id: str) -> None:
         """Remember a cancel of an id no request held, for `remember` seconds."""
@@ -302,11 +361,18 @@ class CancelRegistry:
         table = self._tables.get(threading.get_ident())
         if table is None:
             return
-        entries = table.get(request_id)
-        if entries is not None:
-            entries.pop(cycle, None)
-            if not entries:
-                del table[request_id]
+        _forget(table, request_id, cycle)
+        if self._aliases:
+            for alias in self._aliases.pop(cycle, ()):
+                _forget(table, alias, cycle)
+
+
+def _forget(table: _Table, request_id: str, cycle: Stoppable) -> None:
+    entries = table.get(request_id)
+    if entries is not None:
+        entries.pop(cycle, None)
+        if not entries:
+            del table[request_id]
 
 
 def _on_event_loop() -> bool:

@@ -11,7 +11,8 @@ Two behaviours need them (docs/servers.md has the measurements):
   server's log, which returning early does not give on uvicorn and gunicorn (ERROR lines) and
   never ends on daphne (the connection stays open).
 
-Each reads a server's own objects, found through the `receive` and `send` it passed; behind a
+Each reads a server's own objects, found through the `receive` and `send` it passed (seen
+through the middleware's own wrapper of `send`, which adds the request id); behind another
 middleware that wraps them, nothing is recognised and the caller does the plain ASGI thing.
 tests/servers/test_wire.py checks every adapter against the real server.
 """
@@ -28,6 +29,15 @@ __all__ = ["abort", "paused_reading"]
 
 def _owner(function: object) -> Any:
     return getattr(function, "__self__", None)
+
+
+def _server_send(send: Send) -> Send:
+    """The server's `send` behind the middleware's own wrapper (`_tracking`'s, which adds the
+    request id to the response start and hands every other message on unchanged)."""
+    if type(send).__module__ == "asgi_cancel._tracking":
+        wrapped: Send = getattr(send, "__wrapped__", send)
+        return wrapped
+    return send
 
 
 def _module(obj: object) -> str:
@@ -70,6 +80,7 @@ async def abort(scope: Scope, receive: Receive, send: Send) -> bool:
         raise asyncio.CancelledError  # gunicorn: "request cancelled (client disconnected)"
     if module.startswith("granian"):
         return True
+    send = _server_send(send)
     sender = _owner(send)
     if _module(sender).startswith("hypercorn."):
         return True

@@ -16,10 +16,18 @@ from collections.abc import Awaitable, Callable, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING
 
-from ._registry import CANCELLED, CANCELLED_STATUS, CancelRegistry, header_name
+from ._registry import (
+    CANCELLED,
+    CANCELLED_STATUS,
+    ID_CHARACTERS,
+    MAX_ID_LENGTH,
+    CancelRegistry,
+    header_name,
+    valid_request_id,
+)
 from ._report import escaped
 from ._responses import refuse
-from .types import Scope
+from .types import Message, Scope
 
 if TYPE_CHECKING:
     from ._cycle import Cycle
@@ -28,10 +36,6 @@ logger = logging.getLogger("asgi_cancel")
 
 DEADLINE_EXCEEDED = "deadline exceeded"
 DEADLINE_STATUS = 504
-# A request id: 1 to 200 characters that are safe in a URL path, a header and a log line.
-MAX_ID_LENGTH = 200
-ID_CHARACTERS = "A-Z a-z 0-9 . _ ~ : + = @ -"
-_ID = re.compile(rf"[A-Za-z0-9._~:+=@-]{{1,{MAX_ID_LENGTH}}}", re.ASCII)
 # A budget: "30", "1.5", "30s", "500ms" or "2m", at most 32 characters; larger values are
 # capped at a day (a budget can only shorten the configured deadline, never lengthen it).
 MAX_BUDGET_LENGTH = 32
@@ -55,11 +59,6 @@ def parse_duration(value: str) -> float | None:
     if match is None:
         return None
     return min(float(match[1]) * _UNIT[match[2]], MAX_BUDGET)
-
-
-def valid_request_id(value: str) -> bool:
-    """Whether `value` is an acceptable request id: 1 to `MAX_ID_LENGTH` of `ID_CHARACTERS`."""
-    return len(value) <= MAX_ID_LENGTH and _ID.fullmatch(value) is not None
 
 
 def new_request_id() -> str:
@@ -154,7 +153,8 @@ class Tracking:
             elif not valid_request_id(request_id):
                 expected = f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}"
                 return self._refuse(cycle, self.id_header, request_id, expected)
-            elif self.registry is not None and self.registry.cancelled_before_it_came(request_id):
+            cycle.real_send = SendWithId(cycle, self.id_header, request_id)
+            if self.registry is not None and self.registry.cancelled_before_it_came(request_id):
                 return refuse(cycle.real_send, CANCELLED_STATUS, CANCELLED)
             token.request_id = request_id
             state = scope.get("state")
@@ -200,3 +200,38 @@ class Tracking:
         request_id = cycle.token.request_id
         if self.registry is not None and request_id is not None:
             self.registry.unregister(request_id, cycle)
+
+
+class SendWithId:
+    """The server's `send` with the request's id added to the response start as `header`,
+    unless the app set that header itself (its own id is kept: one header, the app's).
+
+    Every response of a request with an id carries it, the middleware's own (499, 504)
+    included; a refused id never gets here. Only the start needs it: once the start has
+    passed, the cycle sends to the server's `send` directly again. A class, not a closure
+    that names itself (that would be a reference cycle, left to the garbage collector).
+    `__wrapped__` is the server's `send`, for `_servers` to recognise the server behind it.
+    """
+
+    __slots__ = ("__wrapped__", "cycle", "header", "value")
+
+    def __init__(self, cycle: Cycle, header: bytes, request_id: str) -> None:
+        self.__wrapped__ = cycle.real_send
+        self.cycle = cycle
+        self.header = header
+        self.value = request_id.encode("ascii")
+
+    def __call__(self, message: Message) -> Awaitable[None]:
+        send = self.__wrapped__
+        if message["type"] != "http.response.start":
+            return send(message)
+        cycle = self.cycle
+        if cycle.real_send is self:
+            cycle.real_send = send
+        header = self.header
+        headers = message.get("headers", ())
+        for name, _ in headers:
+            if name.lower() == header:
+                return send(message)
+        # A copy: the app may send the same list again (Starlette's `raw_headers`).
+        return send({**message, "headers": [*headers, (header, self.value)]})

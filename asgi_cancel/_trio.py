@@ -42,6 +42,7 @@ class TrioDriver:
                 cycle.finished()
                 await refused
                 return
+            send = cycle.real_send  # its completion, too, carries the request's id
         runner: TrioRunner = cycle.ensure_runner()  # type: ignore[assignment]
         token = cycle.token
         error: BaseException | None = None

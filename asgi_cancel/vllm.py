@@ -6,6 +6,9 @@ adapter covers what a task cancellation does not reach: generators iterated in o
 run under vLLM's `with_cancellation`, whose inner task can outlive its wrapper. It aborts by
 request id the moment the client disconnects, from the disconnect itself.
 
+`OpenAIRequestIds` makes the ids vLLM's OpenAI server shows its clients (`chatcmpl-...`,
+`cmpl-...`, `resp_...`, its `X-Request-Id`) cancel their requests by id.
+
 Nothing here imports vLLM: an engine is anything with `generate` and `abort` (`EngineClient`),
 so `vllm.v1.engine.async_llm.AsyncLLM`, vLLM's `EngineClient` and test doubles all fit.
 """
@@ -16,9 +19,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
+from ._openai_ids import OpenAIRequestIds as OpenAIRequestIds
 from ._token import CancelToken, find_token
 
-__all__ = ["EngineClient", "abort_on_cancel", "counted", "generate"]
+__all__ = ["EngineClient", "OpenAIRequestIds", "abort_on_cancel", "counted", "generate"]
 
 _OutputT_co = TypeVar("_OutputT_co", covariant=True)
 

@@ -163,12 +163,27 @@ def test_the_endpoint_secret_must_not_be_empty() -> None:
 async def call(app: ASGIApp, method: str, path: str, headers: list[Any] | None = None) -> Any:
     conn = ClientConnection()
     scope = http_scope(method, path, headers=headers or [])
-    scope["root_path"] = "/requests"
+    scope["root_path"] = "/v1/requests"
     await conn.run(app, scope)
     return conn.status, json.loads(conn.body)
 
 
-async def test_the_endpoint_cancels_a_running_request() -> None:
+async def call_for_headers(
+    app: ASGIApp, method: str, path: str, headers: list[Any]
+) -> dict[bytes, bytes]:
+    conn = ClientConnection()
+    scope = http_scope(method, path, headers=headers)
+    scope["root_path"] = "/v1/requests"
+    await conn.run(app, scope)
+    return {bytes(name): bytes(value) for name, value in conn.sent[0]["headers"]}
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/v1/requests/r1/cancel"), ("DELETE", "/v1/requests/r1")],
+    ids=["POST-cancel", "DELETE"],
+)
+async def test_the_endpoint_cancels_a_running_request(method: str, path: str) -> None:
     events: list[str] = []
     registry = CancelRegistry()
     middleware = CancelOnDisconnectMiddleware(tracked_app(events), registry=registry)
@@ -176,20 +191,42 @@ async def test_the_endpoint_cancels_a_running_request() -> None:
     secret = [(b"x-cancel-secret", b"s3cret")]
     async with running(middleware, with_id("r1")) as conn:
         await until(lambda: "r1" in registry)
-        assert await call(endpoint, "POST", "/requests/r1/cancel") == (403, {"error": "forbidden"})
+        assert await call(endpoint, method, path) == (403, {"error": "forbidden"})
         wrong = [(b"x-cancel-secret", b"nope")]
-        assert (await call(endpoint, "DELETE", "/requests/r1", wrong))[0] == 403
-        assert (await call(endpoint, "GET", "/requests/r1", secret))[0] == 405
-        assert await call(endpoint, "POST", "/requests/r1/cancel", secret) == (
-            202,
-            {"id": "r1", "cancelled": True},
-        )
+        assert (await call(endpoint, method, path, wrong))[0] == 403
+        assert (await call(endpoint, "GET", path, secret))[0] == 405
+        assert "cancelled" not in events  # refused calls stopped nothing
+        assert await call(endpoint, method, path, secret) == (200, {"id": "r1", "cancelled": True})
     assert conn.status == 499
-    assert await call(endpoint, "DELETE", "/requests/r1", secret) == (
-        404,
-        {"id": "r1", "cancelled": False},
-    )
-    assert (await call(endpoint, "POST", "/requests/a/b/c", secret))[0] == 404
+    assert await call(endpoint, method, path, secret) == (404, {"id": "r1", "cancelled": False})
+    assert (await call(endpoint, "POST", "/v1/requests/a/b/c", secret))[0] == 404
+
+
+async def test_the_endpoint_answers_with_the_id_in_the_registry_header() -> None:
+    registry = CancelRegistry(header="X-Correlation-Id")
+    endpoint = cancel_endpoint(registry, authorize=None)
+    answer = await call_for_headers(endpoint, "DELETE", "/v1/requests/gone-1", [])
+    assert answer[b"x-correlation-id"] == b"gone-1"  # 404, with the id
+    refused = await call_for_headers(endpoint, "DELETE", "/v1/requests/bad%0Aid", [])
+    assert b"x-correlation-id" not in refused  # 400: no id echoed
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("POST", "/v1/requests/r1", b"DELETE"),
+        ("DELETE", "/v1/requests/r1/cancel", b"POST"),
+        ("PUT", "/v1/requests/r1/cancel", b"POST"),
+    ],
+    ids=["POST-on-the-id", "DELETE-on-cancel", "PUT"],
+)
+async def test_the_endpoint_says_which_method_a_path_takes(
+    method: str, path: str, allowed: bytes
+) -> None:
+    endpoint = cancel_endpoint(CancelRegistry(), authorize=None)
+    headers = await call_for_headers(endpoint, method, path, [])
+    assert headers[b"allow"] == allowed
+    assert await call(endpoint, method, path) == (405, {"error": f"use {allowed.decode()}"})
 
 
 async def test_the_endpoint_mounted_alone_serves_the_lifespan_and_no_websocket() -> None:

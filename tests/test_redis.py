@@ -59,10 +59,13 @@ class Node:
             assert time.monotonic() < deadline, f"{self.name}: broker connected != {connected}"
             time.sleep(0.01)
 
-    def start_request(self, request_id: str) -> Future[ClientConnection]:
-        """A request with `request_id` that sleeps until cancelled (its app records how)."""
+    def start_request(self, request_id: str, alias: str | None = None) -> Future[ClientConnection]:
+        """A request with `request_id` (and `alias`, if given) that sleeps until cancelled (its
+        app records how)."""
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if alias is not None:
+                assert self.registry.alias(alias)
             self.events.append(f"{request_id} started")
             try:
                 await asyncio.sleep(30)
@@ -127,6 +130,23 @@ def test_a_cancel_that_arrives_before_its_request_stops_it_when_it_comes(
     b.wait_registered("early")  # remembered no longer: a new request with the id runs
     assert b.acancel("early")[0] is True
     assert later.result(WATCHDOG).status == 499
+
+
+@pytest.mark.parametrize("aliased", [True, False], ids=["aliased", "control-no-alias"])
+def test_a_cancel_by_an_alias_reaches_the_process_that_holds_it(
+    nodes: list[Node], aliased: bool
+) -> None:
+    a, b, _ = nodes
+    running = b.start_request("own-id", "chatcmpl-own-id" if aliased else None)
+    b.wait_registered("own-id")
+    held, _ = a.acancel("chatcmpl-own-id")
+    assert held is aliased
+    if not aliased:  # the control: not found anywhere, and it runs on
+        assert b.events == ["own-id started"]
+        assert a.acancel("own-id")[0] is True
+    assert running.result(WATCHDOG).status == 499
+    assert b.events == ["own-id started", "own-id cancelled"]
+    assert "chatcmpl-own-id" not in b.registry
 
 
 def test_hostile_messages_on_the_channel_are_ignored(nodes: list[Node], redis: RedisServer) -> None:

@@ -4,7 +4,7 @@ through Redis (`$ASGI_CANCEL_REDIS_URL`).
 - `/hello`; `/whoami`: this process's pid.
 - `/slow?id=ID` (request id `ID` in `X-Request-Id`): records `start` with the pid, then
   sleeps until cancelled (records `cancelled`).
-- `/requests/{id}` (DELETE): the cancel endpoint, answering with `x-worker-pid`.
+- `/v1/requests/{id}` (DELETE): the cancel endpoint, answering with `x-worker-pid`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ async def with_pid(scope: Scope, receive: Receive, send: Send) -> None:
             message = {**message, "headers": [*message["headers"], (b"x-worker-pid", PID)]}
         await send(message)
 
-    scope["root_path"] = "/requests"
+    scope["root_path"] = "/v1/requests"
     await endpoint(scope, receive, send_with_pid)
 
 
@@ -49,7 +49,7 @@ middleware = CancelOnDisconnectMiddleware(slow, registry=registry)
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] == "lifespan":
         await serve_lifespan(receive, send)
-    elif scope["path"].startswith("/requests/"):
+    elif scope["path"].startswith("/v1/requests/"):
         await with_pid(scope, receive, send)
     elif scope["path"] == "/slow":
         await middleware(scope, receive, send)

@@ -7,7 +7,7 @@ Served as `servers.metrics_app:app` (asyncio and trio servers alike):
 - `/stream/{name}`: a chunk every 20 ms for up to 30 s (cancelled mid-stream).
 - `/payments/{n}`: excluded from cancellation by prefix; sleeps `CLEANUP` s, then answers.
 - `/metrics`: the registry in Prometheus' text format.
-- `/requests/{id}/cancel` (POST): cancels a running request by its `X-Request-Id`.
+- `/v1/requests/{id}/cancel` (POST): cancels a running request by its `X-Request-Id`.
 
 Requests may carry `X-Request-Timeout` (a deadline) and `X-Request-Id`.
 
@@ -78,12 +78,12 @@ routes = [
     Route("/stream/{name}", stream),
     Route("/payments/{n}", payment),
     Route("/metrics", metrics),
-    Mount("/requests", cancel_endpoint(cancel_registry, authorize=None)),  # test port only
+    Mount("/v1/requests", cancel_endpoint(cancel_registry, authorize=None)),  # test port only
 ]
 app = CancelOnDisconnectMiddleware(
     Starlette(routes=routes),
     on_cancelled=CancelMetrics(registry=registry, namespace="test"),
-    exclude=("/payments/", "/requests/"),
+    exclude=("/payments/", "/v1/requests/"),
     registry=cancel_registry,
     timeout_header="x-request-timeout",
 )

@@ -32,7 +32,16 @@ from asgi_cancel.redis import RedisBroker
 from ..redis_server import RedisServer, running_redis
 from ._harness import LEAVES_ENGINE_WITHIN, RawClient, import_vllm, wait_for
 from ._openai import OpenAIServer, serve
-from ._routes import ROUTES, TOKENS_AFTER_CLOSE, events, leave_mid, leave_queued, payload, summary
+from ._routes import (
+    ROUTES,
+    TOKENS_AFTER_CLOSE,
+    aborted,
+    events,
+    leave_mid,
+    leave_queued,
+    payload,
+    summary,
+)
 
 import_vllm()
 
@@ -56,7 +65,12 @@ def server(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iter
     log = tmp_path_factory.mktemp("vllm-api-servers") / "server.log"
     env = {"ASGI_CANCEL_REDIS_URL": redis.url, "ASGI_CANCEL_SECRET": SECRET}
     with serve(
-        log, middleware=(MIDDLEWARE,), api_server_count=2, max_num_seqs=MAX_NUM_SEQS, env=env
+        log,
+        middleware=(MIDDLEWARE,),
+        api_server_count=2,
+        max_num_seqs=MAX_NUM_SEQS,
+        env=env,
+        extra=("--enable-request-id-headers",),
     ) as instance:
         instance.variant = "asgi-cancel, --api-server-count 2"
         MEASURED["server_startup_s"] = round(instance.startup_seconds, 1)
@@ -222,13 +236,13 @@ def test_cancel_by_id_aborts_a_non_streaming_request(
     held = asyncio.run(cancel())
     response = client.read_all(timeout=30)
     client.close()
-    aborted = functools.partial(aborted_at, server, request_id)
+    was_aborted = functools.partial(aborted_at, server, request_id)
     server.wait_idle(30, "the request to end")
     after = server.metrics()
     MEASURED["cancel by id, non-streaming"] = {
         "held": held,
         "client_got": response.split(b"\r\n", 1)[0].decode(errors="replace"),
-        "aborted": aborted(),
+        "aborted": was_aborted(),
         "finished_normally": after["vllm:request_success_total"]
         - before["vllm:request_success_total"],
         "tokens_after_cancel": after["vllm:generation_tokens_total"]
@@ -236,29 +250,32 @@ def test_cancel_by_id_aborts_a_non_streaming_request(
         "to_engine_idle_s": round(time.monotonic() - started, 2),
     }
     assert held
-    assert aborted(), MEASURED["cancel by id, non-streaming"]
+    assert was_aborted(), MEASURED["cancel by id, non-streaming"]
 
 
 def test_cancel_endpoint_of_either_api_server_aborts_the_request(server: OpenAIServer) -> None:
-    """`DELETE /requests/{id}` lands in one API server (the least loaded): 202 whichever holds
-    the request; this test records which one answered."""
+    """`DELETE /v1/requests/{id}` lands in one API server (the least loaded): 200 whichever
+    holds the request; this test records which one answered."""
     clients, holders = long_streams(server, 2)
     outcomes = {}
     for request_id, client in clients.items():
         started = time.monotonic()
         answer = httpx.delete(
-            f"{server.url}/requests/{request_id}", headers={"x-cancel-secret": SECRET}, timeout=10
+            f"{server.url}/v1/requests/{request_id}",
+            headers={"x-cancel-secret": SECRET},
+            timeout=10,
         )
         answered = time.monotonic() - started
-        assert answer.status_code == 202, answer.text
+        assert answer.status_code == 200, answer.text
         assert answer.json() == {"id": request_id, "cancelled": True}
+        assert answer.headers["x-request-id"] == request_id
         wait_for(functools.partial(aborted_at, server, request_id), LEAVES_ENGINE_WITHIN, "abort")
         client.read_all(timeout=10)
         client.close()
         served_by = [
             int(match[1])
             for match in re.finditer(
-                rf"cancel pid=(\d+) path=/requests/{request_id}\b", server.log_text()
+                rf"cancel pid=(\d+) path=/v1/requests/{request_id}\b", server.log_text()
             )
         ]
         outcomes[request_id] = {
@@ -286,9 +303,117 @@ def test_unknown_id_is_answered_not_held_within_the_bound(
     assert held is False
     assert answered < 1.0 + 0.5  # the broker's `wait` (1 s), at most; every process answers
     denied = httpx.delete(
-        f"{server.url}/requests/unknown-{uuid.uuid4().hex[:8]}",
+        f"{server.url}/v1/requests/unknown-{uuid.uuid4().hex[:8]}",
         headers={"x-cancel-secret": SECRET},
         timeout=10,
     )
     assert denied.status_code == 404
     MEASURED["unknown id"] = {"answered_ms": round(answered * 1000, 1), "endpoint": 404}
+
+
+# -- cancel by the id the client sees (asgi_cancel.vllm.OpenAIRequestIds) ---------------------
+# The `id` of a response body or streamed chunk, as vLLM 0.32 names requests.
+VISIBLE_ID = re.compile(rb'"id": ?"((?:chatcmpl-|cmpl-|resp_)[A-Za-z0-9._~:+=@-]+)"')
+VISIBLE_ROUTES = ("chat", "completions", "responses")
+# What vLLM names a request whose body says `request_id: X` (and no X-Request-Id header).
+NAMED_FROM_BODY = {"chat": "chatcmpl-{}", "completions": "cmpl-{}", "responses": "{}"}
+
+
+def cancel_through_the_endpoint(server: OpenAIServer, request_id: str) -> httpx.Response:
+    return httpx.post(
+        f"{server.url}/v1/requests/{request_id}/cancel",
+        headers={"x-cancel-secret": SECRET},
+        timeout=10,
+    )
+
+
+def response_header(response: bytes, name: bytes) -> str:
+    head = response.partition(b"\r\n\r\n")[0]
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip().decode()
+    raise AssertionError(f"no {name!r} header in {head!r}")
+
+
+def stream_without_an_id(
+    server: OpenAIServer, route: str, headers: dict[str, str] | None = None
+) -> tuple[RawClient, bytes, str]:
+    """A stream whose client sent no id: it knows its request by the chunks' `id` only."""
+    client = RawClient(server.port).post(ROUTES[route], payload(route, stream=True), headers)
+    response = client.read_until(
+        lambda received: VISIBLE_ID.search(received) is not None and events(received) >= 3
+    )
+    found = VISIBLE_ID.search(response)
+    assert found is not None
+    return client, response, found[1].decode()
+
+
+def stopped(server: OpenAIServer, client: RawClient, visible: str) -> None:
+    wait_for(lambda: aborted(server, visible), LEAVES_ENGINE_WITHIN, f"{visible} aborted")
+    client.read_all(timeout=10)
+    client.close()
+    server.wait_idle(LEAVES_ENGINE_WITHIN, "the request aborted")
+
+
+@pytest.mark.parametrize("route", VISIBLE_ROUTES)
+def test_the_id_in_a_stream_cancels_its_engine_request(server: OpenAIServer, route: str) -> None:
+    client, _, visible = stream_without_an_id(server, route)
+    started = time.monotonic()
+    answer = cancel_through_the_endpoint(server, visible)
+    answered = time.monotonic() - started
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-request-id"] == visible
+    stopped(server, client, visible)
+    by_route = MEASURED.setdefault("cancel by the id in the stream, answered ms", {})
+    by_route[route] = round(answered * 1000, 1)
+
+
+@pytest.mark.parametrize("route", VISIBLE_ROUTES)
+def test_the_id_named_from_the_body_cancels_a_whole_answer(
+    server: OpenAIServer, route: str
+) -> None:
+    """Not streaming: the body's `request_id` says what vLLM will name the request."""
+    mine = f"mine-{uuid.uuid4().hex[:12]}"
+    visible = NAMED_FROM_BODY[route].format(mine)
+    generated = server.generated()
+    client = RawClient(server.port).post(
+        ROUTES[route], payload(route, stream=False) | {"request_id": mine}
+    )
+    wait_for(lambda: server.generated() - generated >= 20, 30, "generation to start")
+    answer = cancel_through_the_endpoint(server, visible)
+    assert answer.status_code == 200, answer.text
+    wait_for(lambda: aborted(server, visible), LEAVES_ENGINE_WITHIN, f"{visible} aborted")
+    response = client.read_all(timeout=10)
+    client.close()
+    assert response.startswith(b"HTTP/1.1 499"), response[:200]
+    server.wait_idle(LEAVES_ENGINE_WITHIN, "the request aborted")
+
+
+def test_the_x_request_id_vllm_answers_with_cancels_the_request(server: OpenAIServer) -> None:
+    """`--enable-request-id-headers`: vLLM's own header (a fresh uuid: none was sent), kept
+    on the response, names the request too."""
+    client, response, visible = stream_without_an_id(server, "chat")
+    header = response_header(response, b"x-request-id")
+    assert header not in visible  # vLLM's header is not the id it named the request
+    answer = cancel_through_the_endpoint(server, header)
+    assert answer.status_code == 200, answer.text
+    stopped(server, client, visible)
+
+
+def test_control_without_the_aliases_the_visible_ids_find_nothing(server: OpenAIServer) -> None:
+    """The same stream with `OpenAIRequestIds` skipped: 404 for the body's id and vLLM's
+    header, and the engine generates on; the client leaving still aborts it."""
+    client, response, visible = stream_without_an_id(
+        server, "chat", headers={"x-test-no-aliases": "1"}
+    )
+    for unknown in (visible, response_header(response, b"x-request-id")):
+        answer = cancel_through_the_endpoint(server, unknown)
+        assert answer.status_code == 404, answer.text
+        assert answer.json() == {"id": unknown, "cancelled": False}
+    generated = server.generated()
+    wait_for(lambda: server.generated() - generated >= 20, 30, "generation to go on")
+    assert not aborted(server, visible)
+    client.close()
+    wait_for(lambda: aborted(server, visible), LEAVES_ENGINE_WITHIN, "aborted at the disconnect")
+    server.wait_idle(LEAVES_ENGINE_WITHIN, "the request aborted")
