@@ -1,5 +1,5 @@
-"""The front door: options, non-HTTP scopes, excluded routes, what reaches the server (DESIGN.md
-lines 1 and 6) and what a cancellation reports. On asyncio and trio."""
+"""The front door: options, non-HTTP scopes, excluded routes, what reaches the server
+(docs/contract.md lines 1 and 6) and what a cancellation reports. On asyncio and trio."""
 
 from __future__ import annotations
 

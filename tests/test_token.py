@@ -1,5 +1,5 @@
 """`CancelToken`, `current_token()`, `shield()` and `detach()` (`_token.py`): their reach into
-tasks, threads and callbacks, on asyncio and trio (DESIGN.md lines 8 and 11)."""
+tasks, threads and callbacks, on asyncio and trio (docs/contract.md lines 8 and 11)."""
 
 from __future__ import annotations
 
