@@ -125,7 +125,7 @@ def report_cancelled(
                 scope, reason=reason, elapsed=elapsed, response_started=response_started
             )
     except (Exception, asyncio.CancelledError):
-        logger.exception("asgi_cancel: on_cancelled hook raised")
+        logger.exception("on_cancelled hook raised")
         return
     if callable(done):
         token.on_finished(done)
