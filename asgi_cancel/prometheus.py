@@ -30,9 +30,9 @@ from .types import Scope
 
 __all__ = ["DEFAULT_BUCKETS", "CancelMetrics", "route_template"]
 
-# Seconds from the disconnect to the end of the app's cleanup: an engine abort is a few ms, a
-# cleanup that flushes or rolls back can take seconds.
 DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""The cleanup histogram's buckets, in seconds from the disconnect to the end of the app's
+cleanup: an engine abort is a few ms, a cleanup that flushes or rolls back can take seconds."""
 # Any other method (a client can send anything) is counted as "other": a bounded label.
 _METHODS = frozenset(
     ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE")
