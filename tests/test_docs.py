@@ -68,3 +68,12 @@ def test_the_options_table_gives_every_option_its_default() -> None:
     # Keyword-only, each with a default: no positional option, no **kwargs swallowing a typo.
     assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in options)
     assert table == {p.name: repr(p.default) for p in options}
+
+
+def test_the_module_map_names_every_module_and_no_other() -> None:
+    text = (DOCS / "contributing.md").read_text()
+    block = text.split("\n## Module map\n", 1)[1].split("```\n", 2)[1]
+    mapped = re.findall(r"^  (\w+\.py) ", block, re.MULTILINE)
+    package = Path(asgi_cancel.__file__).parent
+    assert sorted(mapped) == sorted(path.name for path in package.glob("*.py"))
+    assert len(mapped) == len(set(mapped))
