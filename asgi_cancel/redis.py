@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
 
 from ._registry import CancelRegistry
 from ._tracking import valid_request_id
+from ._validate import seconds
 
 __all__ = ["RedisBroker"]
 
@@ -92,8 +93,7 @@ class RedisBroker:
         if not isinstance(channel, str) or not channel or len(channel) > 100:
             raise ValueError(f"channel must be a short non-empty name, got {channel!r}")
         for name, value in (("wait", wait), ("connect_timeout", connect_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 60:
-                raise ValueError(f"{name} must be seconds > 0 and < 60, got {value!r}")
+            seconds(name, value, positive=True, below=60)
         self.url = url
         self.channel = channel
         self.wait = float(wait)
