@@ -63,8 +63,8 @@ class CancelOnDisconnectMiddleware:
             `receive()` after the body) react before the middleware cancels what still runs.
             Default 0.1.
         on_cancelled: called once per cancelled request, in the event loop, as
-            `on_cancelled(scope, reason=..., elapsed=..., response_started=...)`; `elapsed` is
-            seconds from the request's first wait to the disconnect. For metrics exporters
+            `on_cancelled(request)` with an `asgi_cancel.types.CancelledRequest` (scope, reason,
+            elapsed, response_started, usage). For metrics exporters
             (`asgi_cancel.prometheus.CancelMetrics` is one). If it returns a callable, that is
             called with no arguments once the request is over (its app returned, cleanup
             done): how the time from the disconnect to the end of the cleanup is measured.

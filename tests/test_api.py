@@ -39,7 +39,7 @@ def test_nothing_but_all_and_the_public_submodules_is_public() -> None:
     assert public - modules == set(asgi_cancel.__all__)
 
 
-def test_types_all_names_every_alias_it_defines() -> None:
+def test_types_all_names_every_alias_and_class_it_defines() -> None:
     tree = ast.parse(inspect.getsource(asgi_cancel.types))
     assigned = {
         target.id
@@ -48,6 +48,7 @@ def test_types_all_names_every_alias_it_defines() -> None:
         for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
         if isinstance(target, ast.Name) and not target.id.startswith("_")
     }
+    assigned |= {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
     assert sorted(asgi_cancel.types.__all__) == sorted(assigned)
     for name in asgi_cancel.types.__all__:
         getattr(asgi_cancel.types, name)

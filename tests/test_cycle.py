@@ -403,9 +403,7 @@ async def test_disconnect_during_the_final_send(returns_after: float | None) -> 
     middleware = CancelOnDisconnectMiddleware(
         app,
         grace=GRACE,
-        on_cancelled=lambda scope, **report: reports.append(
-            (report["reason"], report["response_started"])
-        ),
+        on_cancelled=lambda request: reports.append((request.reason, request.response_started)),
     )
     conn = ClientConnection(disconnect_after_response=False)
 

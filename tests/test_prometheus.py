@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from asgi_cancel import CancelOnDisconnectMiddleware
+from asgi_cancel import CancelOnDisconnectMiddleware, TokenUsage
 from asgi_cancel.prometheus import CancelMetrics
 from asgi_cancel.testing import http_scope
-from asgi_cancel.types import Receive, Scope, Send
+from asgi_cancel.types import CancelledRequest, Receive, Scope, Send
 
 from .helpers import leave
 from .servers.client import (
@@ -211,9 +211,10 @@ def test_default_registry_and_one_instance_per_namespace() -> None:
         with pytest.raises(ValueError, match="Duplicated timeseries"):
             CancelMetrics(namespace="asgi_cancel_default_test")
         finished = metrics(
-            http_scope("POST", "/x"), reason="client disconnected", elapsed=0.1,
-            response_started=True,
-        )  # fmt: skip
+            CancelledRequest(
+                http_scope("POST", "/x"), "client disconnected", 0.1, True, TokenUsage()
+            )
+        )
         finished()
         labels = {"method": "POST", "route": "unmatched", "reason": "client disconnected",
                   "phase": "mid_stream"}  # fmt: skip

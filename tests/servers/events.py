@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from asgi_cancel import current_token
+from asgi_cancel.types import CancelledRequest
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -68,14 +69,14 @@ def token_state() -> dict[str, Any]:
     }
 
 
-def record_hook(scope: Scope, *, reason: str, elapsed: float, response_started: bool) -> None:
+def record_hook(request: CancelledRequest) -> None:
     """The middleware's `on_cancelled` hook."""
     record(
-        request_id(scope),
+        request_id(request.scope),
         "hook",
-        reason=reason,
-        elapsed=elapsed,
-        response_started=response_started,
+        reason=request.reason,
+        elapsed=request.elapsed,
+        response_started=request.response_started,
     )
 
 
