@@ -35,7 +35,7 @@ from .servers.client import (
     recv_some,
     send_request,
 )
-from .servers.metrics_app import CLEANUP
+from .servers.events import CLEANUP
 from .servers.runner import HYPERCORN_TRIO, UVICORN_HTTPTOOLS, ServerSpec, running_server
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -132,13 +132,13 @@ def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
         ("deadline exceeded", items, "before_response", "GET"): 1,
         ("deadline exceeded", streams, "mid_stream", "GET"): 1,
     }
-    with running_server(spec, "servers.metrics_app:app", tmp_path) as server:
+    with running_server(spec, "servers.apps:metrics", tmp_path) as server:
         port = server.port
         for item_id in (1, 2, 3):
             leave_before_response(port, f"/items/{item_id}")
         for name in ("a", "b"):
             leave_mid_stream(port, f"/stream/{name}")
-        assert get(port, "/payments/7").body == b"paid"  # excluded: not counted
+        assert get(port, "/payments/7").body == b"slow done"  # excluded: not counted
         run = new_id()
         by_id, timed = ("X-Request-Id", f"{run}-i"), ("X-Request-Timeout", "300ms")
         assert stopped_before_response(port, "/items/8", by_id) == 499
