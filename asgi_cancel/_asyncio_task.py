@@ -25,7 +25,7 @@ def _missing(internal: str) -> None:
     if internal not in _warned:
         _warned.add(internal)
         logger.warning(
-            "asgi_cancel: %s is not where this version expects it; requests waiting for a "
+            "%s is not where this version expects it; requests waiting for a "
             "worker thread may be cancelled around it (please report the versions in use)",
             internal,
         )

@@ -451,11 +451,11 @@ class Cycle:
         report_cancelled(
             self.scope,
             token,
-            reason,
-            elapsed,
-            self.response_started,
-            status,
-            self.options.on_cancelled,
+            reason=reason,
+            elapsed=elapsed,
+            response_started=self.response_started,
+            status=status,
+            on_cancelled=self.options.on_cancelled,
         )
 
 

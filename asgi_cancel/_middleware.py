@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._asyncio import AsyncioDriver
 from ._registry import CancelRegistry
 from ._tracking import Timeouts, Tracking, route_path
+from ._validate import describe as _describe
+from ._validate import seconds
 from .types import AnyASGIApp, OnCancelled, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -20,21 +21,6 @@ _get_running_loop = asyncio.events._get_running_loop
 DEFAULT_READ_AHEAD = 64 * 1024
 DEFAULT_GRACE = 0.1
 DEFAULT_WATCH_DELAY = 0.005
-
-
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _seconds(name: str, value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {_describe(value)}")
-    return float(value)
 
 
 def _excluder(
@@ -77,8 +63,8 @@ class CancelOnDisconnectMiddleware:
             `receive()` after the body) react before the middleware cancels what still runs.
             Default 0.1.
         on_cancelled: called once per cancelled request, in the event loop, as
-            `on_cancelled(scope, reason=..., elapsed=..., response_started=...)`; `elapsed` is
-            seconds from the request's first wait to the disconnect. For metrics exporters
+            `on_cancelled(request)` with an `asgi_cancel.types.CancelledRequest` (scope, reason,
+            elapsed, response_started, usage). For metrics exporters
             (`asgi_cancel.prometheus.CancelMetrics` is one). If it returns a callable, that is
             called with no arguments once the request is over (its app returned, cleanup
             done): how the time from the disconnect to the end of the cleanup is measured.
@@ -141,9 +127,9 @@ class CancelOnDisconnectMiddleware:
             )
         self.app = app
         self.read_ahead = read_ahead
-        self.grace = _seconds("grace", grace)
+        self.grace = seconds("grace", grace)
         self.on_cancelled = on_cancelled
-        self.watch_delay = _seconds("watch_delay", watch_delay)
+        self.watch_delay = seconds("watch_delay", watch_delay)
         self.exclude = _excluder(exclude)
         self.registry = registry
         tracking = None

@@ -13,6 +13,7 @@ from time import monotonic
 from typing import Protocol, cast
 
 from ._token import current_source
+from ._validate import seconds
 
 __all__ = [
     "CANCELLED",
@@ -124,13 +125,7 @@ class CancelRegistry:
         remember: float = 2.0,
     ) -> None:
         self.header = header_name("header", header).decode("ascii")
-        if (
-            isinstance(remember, bool)
-            or not isinstance(remember, (int, float))
-            or not 0 <= remember < float("inf")
-        ):
-            raise ValueError(f"remember must be a finite number of seconds >= 0, got {remember!r}")
-        self.remember = float(remember)
+        self.remember = seconds("remember", remember)
         self._tables: dict[int, _Table] = {}  # by thread: each changed by its own loop only
         self._lock = threading.Lock()  # for the remembered cancels
         self._remembered: dict[str, float] = {}  # id -> when it is forgotten

@@ -7,13 +7,11 @@ request that is not cancelled.
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import logging
 from typing import Any
 
 from ._token import CancelToken
-from .types import OnCancelled, Scope
+from .types import CancelledRequest, OnCancelled, Scope
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -61,22 +59,19 @@ def escaped(value: object) -> str:
 def report_cancelled(
     scope: Scope,
     token: CancelToken,
+    *,
     reason: str,
     elapsed: float,
     response_started: bool,
     status: int | None,
     on_cancelled: OnCancelled | None,
 ) -> None:
-    """Log the cancel line (with its `extra`) and call the `on_cancelled` hook.
+    """Log the cancel line (with its `extra`) and call the `on_cancelled` hook with a
+    `CancelledRequest`.
 
     `status` is what the request's client gets: 499 after a disconnect (as nginx logs it), the
     status of a stopped request, or None for a stopped request whose response had started
     (its stream is cut).
-    A hook that accepts `usage=` is given the request's `TokenUsage`, live: a binding that
-    counts an engine's outputs (`asgi_cancel.vllm`) keeps filling it in until the request is
-    over. A hook that returns a callable has it called once the request is over (the app
-    returned after its cleanup): how `asgi_cancel.prometheus` times the cleanup and reads the
-    final token counts.
     """
     # Tokens an engine spends on it from now on are counted against this start (`add_usage`
     # makes the record, cancelled, at 0), and reported once the request is over.
@@ -111,41 +106,21 @@ def report_cancelled(
         )
     if on_cancelled is None:
         return
+    usage = token.usage
+    assert usage is not None  # add_usage() above made it
+    request = CancelledRequest(scope, reason, elapsed, response_started, usage)
     try:
-        if _takes_usage(on_cancelled):
-            done = on_cancelled(
-                scope,
-                reason=reason,
-                elapsed=elapsed,
-                response_started=response_started,
-                usage=token.usage,
-            )
-        else:
-            done = on_cancelled(
-                scope, reason=reason, elapsed=elapsed, response_started=response_started
-            )
+        when_over = on_cancelled(request)
     except (Exception, asyncio.CancelledError):
-        logger.exception("asgi_cancel: on_cancelled hook raised")
+        logger.exception("on_cancelled hook raised")
         return
-    if callable(done):
-        token.on_finished(done)
-
-
-def _takes_usage(hook: OnCancelled) -> bool:
-    """Whether the hook accepts `usage=` (a keyword of its own, or **kwargs)."""
-    try:
-        return _signature_takes_usage(hook)
-    except TypeError:  # unhashable: not cached
-        return _signature_takes_usage.__wrapped__(hook)
-
-
-@functools.lru_cache(maxsize=64)
-def _signature_takes_usage(hook: OnCancelled) -> bool:
-    try:
-        parameters = inspect.signature(hook).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "usage" or p.kind is p.VAR_KEYWORD for p in parameters)
+    if callable(when_over):
+        token.on_finished(when_over)
+    elif when_over is not None:
+        logger.error(
+            "on_cancelled returned %r: return None, or a callable to call when the request is over",
+            when_over,
+        )
 
 
 def _log_usage(scope: Scope, token: CancelToken, reason: str) -> None:

@@ -80,7 +80,7 @@ async def complete_cancelled(cycle: Cycle, receive: Receive, send: Send) -> None
             return
         await _end_started_response(cycle, send)
     except Exception:
-        logger.debug("asgi_cancel: completing a cancelled request failed", exc_info=True)
+        logger.debug("completing a cancelled request failed", exc_info=True)
 
 
 def _body_complete(last: Message | None) -> bool:

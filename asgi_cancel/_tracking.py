@@ -9,7 +9,6 @@ that is not well-formed is answered 400 before the app runs (docs/security.md).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -27,6 +26,7 @@ from ._registry import (
 )
 from ._report import escaped
 from ._responses import refuse
+from ._validate import seconds_or_none
 from .types import Message, Scope
 
 if TYPE_CHECKING:
@@ -76,19 +76,6 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-def _seconds_or_none(name: str, value: object) -> float | None:
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be None or a finite number of seconds > 0, got {value!r}")
-    return float(value)
-
-
 class Tracking:
     """The middleware's id and deadline options, checked once, applied per request."""
 
@@ -105,7 +92,7 @@ class Tracking:
             raise ValueError(f"registry must be a CancelRegistry or None, got {registry!r}")
         self.registry = registry
         self.id_header = registry.header.encode("ascii") if registry is not None else None
-        self.timeout = _seconds_or_none("timeout", timeout)
+        self.timeout = seconds_or_none("timeout", timeout, positive=True)
         self.route_timeout: Callable[[Scope], float | None] | None = None
         self.prefixes: list[tuple[str, float | None]] = []
         if callable(timeouts):
@@ -116,7 +103,8 @@ class Tracking:
                     raise ValueError(
                         f"timeouts keys must be path prefixes starting with '/', got {prefix!r}"
                     )
-                self.prefixes.append((prefix, _seconds_or_none(f"timeouts[{prefix!r}]", seconds)))
+                limit = seconds_or_none(f"timeouts[{prefix!r}]", seconds, positive=True)
+                self.prefixes.append((prefix, limit))
             self.prefixes.sort(key=lambda item: len(item[0]), reverse=True)  # longest wins
         elif timeouts is not None:
             raise ValueError(

@@ -29,6 +29,7 @@ from .types import AnyASGIApp, Message, Receive, Scope, Send
 __all__ = ["EVENT", "TraceCancellations"]
 
 EVENT = "asgi_cancel.cancelled"
+"""The name of the span event `TraceCancellations` adds to a cancelled request's span."""
 
 
 class TraceCancellations:

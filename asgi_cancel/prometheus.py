@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from time import monotonic
-from typing import Any
 
 from ._extras import missing_extra
 
@@ -25,14 +24,13 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
     raise missing_extra("prometheus", exc) from exc
 
 from ._report import phase, route_template
-from ._token import TokenUsage
-from .types import Scope
+from .types import CancelledRequest
 
 __all__ = ["DEFAULT_BUCKETS", "CancelMetrics", "route_template"]
 
-# Seconds from the disconnect to the end of the app's cleanup: an engine abort is a few ms, a
-# cleanup that flushes or rolls back can take seconds.
 DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""The cleanup histogram's buckets, in seconds from the disconnect to the end of the app's
+cleanup: an engine abort is a few ms, a cleanup that flushes or rolls back can take seconds."""
 # Any other method (a client can send anything) is counted as "other": a bounded label.
 _METHODS = frozenset(
     ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE")
@@ -104,29 +102,22 @@ class CancelMetrics:
             registry=registry,
         )
 
-    def __call__(
-        self,
-        scope: Scope,
-        *,
-        reason: str,
-        response_started: bool,
-        usage: TokenUsage | None = None,
-        **_: Any,
-    ) -> Callable[[], None]:
-        method = scope.get("method", "")
+    def __call__(self, request: CancelledRequest) -> Callable[[], None]:
+        method = request.scope.get("method", "")
         labels = (
             method if method in _METHODS else "other",
-            route_template(scope),
-            reason,
-            phase(response_started),
+            route_template(request.scope),
+            request.reason,
+            phase(request.response_started),
         )
+        usage = request.usage
         self.cancelled.labels(*labels).inc()
         cancelled_at = monotonic()
         histogram = self.cleanup.labels(*labels)
 
         def finished() -> None:
             histogram.observe(monotonic() - cancelled_at)
-            if usage is not None and (usage.prompt_tokens or usage.completion_tokens):
+            if usage.prompt_tokens or usage.completion_tokens:
                 for kind, count in (
                     ("prompt", usage.prompt_tokens),
                     ("completion", usage.completion_tokens),

@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
     raise missing_extra("redis", exc) from exc
 
 from ._registry import CancelRegistry, valid_request_id
+from ._validate import seconds
 
 __all__ = ["RedisBroker"]
 
@@ -91,8 +92,7 @@ class RedisBroker:
         if not isinstance(channel, str) or not channel or len(channel) > 100:
             raise ValueError(f"channel must be a short non-empty name, got {channel!r}")
         for name, value in (("wait", wait), ("connect_timeout", connect_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 60:
-                raise ValueError(f"{name} must be seconds > 0 and < 60, got {value!r}")
+            seconds(name, value, positive=True, below=60)
         self.url = url
         self.channel = channel
         self.wait = float(wait)

@@ -19,7 +19,6 @@ Needs anyio (installed with Starlette, httpx and FastAPI); works on asyncio and 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Literal
 from urllib.parse import quote
@@ -31,6 +30,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
     raise missing_extra("testing", exc) from exc
 
+from ._validate import seconds
 from .types import ASGIApp, Message, Scope
 
 __all__ = ["ClientConnection", "http_scope"]
@@ -91,15 +91,10 @@ class ClientConnection:
             raise ValueError(
                 f"after_disconnect must be 'block' or 'replay', got {after_disconnect!r}"
             )
-        if (
-            not (isinstance(body_delay, (int, float)) and math.isfinite(body_delay))
-            or body_delay < 0
-        ):
-            raise ValueError(f"body_delay must be a finite number >= 0, got {body_delay!r}")
         chunks = [body] if isinstance(body, (bytes, bytearray)) else list(body)
         self._chunks: list[bytes] = [bytes(chunk) for chunk in chunks] or [b""]
         self._after_disconnect = after_disconnect
-        self._body_delay = float(body_delay)
+        self._body_delay = seconds("body_delay", body_delay)
         self._disconnect_after_response = disconnect_after_response
         self._next_chunk = 0
         self._disconnected = anyio.Event()

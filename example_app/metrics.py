@@ -10,13 +10,13 @@ route template, reason and phase.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from asgi_cancel.prometheus import CancelMetrics
+from asgi_cancel.types import CancelledRequest
 
 from .engine import Engine
 
@@ -82,11 +82,11 @@ class Metrics:
         # The package's hook (`asgi-cancel[prometheus]`): by method, route, reason and phase.
         self.cancel_metrics = CancelMetrics(registry=self.registry) if middleware else None
 
-    def on_cancelled(self, scope: Any, **details: Any) -> Callable[[], None] | None:
+    def on_cancelled(self, request: CancelledRequest) -> Callable[[], None] | None:
         self.cancelled.inc()
         if self.cancel_metrics is None:
             return None
-        return self.cancel_metrics(scope, **details)
+        return self.cancel_metrics(request)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

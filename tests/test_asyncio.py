@@ -1,4 +1,4 @@
-"""The asyncio driver (`_asyncio.py`): ONE `Task.cancel()` (DESIGN.md line 5), outside
+"""The asyncio driver (`_asyncio.py`): ONE `Task.cancel()` (docs/contract.md line 5), outside
 cancellations (a server's shutdown: `Task.cancel()` on the request's task) meeting ours,
 `Task.uncancel()`, the app's first step taken by hand, vLLM's `with_cancellation` shape (the
 grace period's extra loop iterations), and a finished request freed by reference counting.

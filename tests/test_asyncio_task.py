@@ -200,4 +200,4 @@ async def test_an_internal_that_moved_is_logged_once_naming_it(
     future.set_result(None)
     await task
     (message,) = [record.getMessage() for record in caplog.records if record.name == "asgi_cancel"]
-    assert message.startswith(f"asgi_cancel: {moved} is not where this version expects it")
+    assert message.startswith(f"{moved} is not where this version expects it")

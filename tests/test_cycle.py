@@ -1,5 +1,5 @@
 """One request's states (`_cycle.py`) through the middleware, on asyncio and trio: the body
-(DESIGN.md line 2), the middleware as the only caller of `receive` and its replay (3), when a
+(docs/contract.md line 2), the middleware as the only caller of `receive` and its replay (3), when a
 disconnect cancels (4), sends dropped after it (7), apps that listen themselves (9), and what a
 finished cycle lets go. Odd message orders come from hand-written servers.
 """
@@ -403,9 +403,7 @@ async def test_disconnect_during_the_final_send(returns_after: float | None) -> 
     middleware = CancelOnDisconnectMiddleware(
         app,
         grace=GRACE,
-        on_cancelled=lambda scope, **report: reports.append(
-            (report["reason"], report["response_started"])
-        ),
+        on_cancelled=lambda request: reports.append((request.reason, request.response_started)),
     )
     conn = ClientConnection(disconnect_after_response=False)
 

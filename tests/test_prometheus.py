@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from asgi_cancel import CancelOnDisconnectMiddleware
+from asgi_cancel import CancelOnDisconnectMiddleware, TokenUsage
 from asgi_cancel.prometheus import CancelMetrics
 from asgi_cancel.testing import http_scope
-from asgi_cancel.types import Receive, Scope, Send
+from asgi_cancel.types import CancelledRequest, Receive, Scope, Send
 
 from .helpers import leave
 from .servers.client import (
@@ -35,7 +35,7 @@ from .servers.client import (
     recv_some,
     send_request,
 )
-from .servers.metrics_app import CLEANUP
+from .servers.events import CLEANUP
 from .servers.runner import HYPERCORN_TRIO, UVICORN_HTTPTOOLS, ServerSpec, running_server
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -132,13 +132,13 @@ def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
         ("deadline exceeded", items, "before_response", "GET"): 1,
         ("deadline exceeded", streams, "mid_stream", "GET"): 1,
     }
-    with running_server(spec, "servers.metrics_app:app", tmp_path) as server:
+    with running_server(spec, "servers.apps:metrics", tmp_path) as server:
         port = server.port
         for item_id in (1, 2, 3):
             leave_before_response(port, f"/items/{item_id}")
         for name in ("a", "b"):
             leave_mid_stream(port, f"/stream/{name}")
-        assert get(port, "/payments/7").body == b"paid"  # excluded: not counted
+        assert get(port, "/payments/7").body == b"slow done"  # excluded: not counted
         run = new_id()
         by_id, timed = ("X-Request-Id", f"{run}-i"), ("X-Request-Timeout", "300ms")
         assert stopped_before_response(port, "/items/8", by_id) == 499
@@ -211,9 +211,10 @@ def test_default_registry_and_one_instance_per_namespace() -> None:
         with pytest.raises(ValueError, match="Duplicated timeseries"):
             CancelMetrics(namespace="asgi_cancel_default_test")
         finished = metrics(
-            http_scope("POST", "/x"), reason="client disconnected", elapsed=0.1,
-            response_started=True,
-        )  # fmt: skip
+            CancelledRequest(
+                http_scope("POST", "/x"), "client disconnected", 0.1, True, TokenUsage()
+            )
+        )
         finished()
         labels = {"method": "POST", "route": "unmatched", "reason": "client disconnected",
                   "phase": "mid_stream"}  # fmt: skip

@@ -6,9 +6,9 @@ replayed on every call or delivered once then blocking; an extra empty `http.req
 body; a server shutdown at any point) and what the app does (read the body early, late or never,
 from one task or two at once; stream; `shield()` sections; work in a worker thread; cleanup that
 awaits; poll `receive()` with a timeout; a Django-style handler it cancels itself). Every
-example checks the contract's invariants (DESIGN.md): the body reaches the app unchanged, nothing
-hangs, exactly one cancellation when the client leaves before the response is complete and none
-after, no task left behind, own cancellation absorbed and an outside one re-raised.
+example checks the contract's invariants (docs/contract.md): the body reaches the app unchanged,
+nothing hangs, exactly one cancellation when the client leaves before the response is complete
+and none after, no task left behind, own cancellation absorbed and an outside one re-raised.
 
 CI runs the "ci" profile (derandomized: the same examples every run). The long run:
 
@@ -520,7 +520,7 @@ def check(
         return
     if left_before_response and "http.disconnect" in record.poll_messages:
         # The app was listening itself and got the message first: it is cancelled only if it
-        # has not finished within `grace` (DESIGN.md line 9).
+        # has not finished within `grace` (docs/contract.md lines 9 and 10).
         assert record.cancelled <= 1
         return
     if left_before_response:

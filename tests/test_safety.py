@@ -1,4 +1,4 @@
-"""Safe cancellation for the code people write (DESIGN.md lines 10-13), at the ASGI level.
+"""Safe cancellation for the code people write (docs/contract.md lines 10-13), at the ASGI level.
 
 Worker threads (the request never unwinds around a running thread), apps and frameworks that
 cancel their own work (no second cancellation during their cleanup), outside cancellations of

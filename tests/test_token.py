@@ -1,5 +1,5 @@
 """`CancelToken`, `current_token()`, `shield()` and `detach()` (`_token.py`): their reach into
-tasks, threads and callbacks, on asyncio and trio (DESIGN.md lines 8 and 11)."""
+tasks, threads and callbacks, on asyncio and trio (docs/contract.md lines 8 and 11)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
-from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -18,7 +17,7 @@ import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token, detach, shield
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import ASGIApp, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, CancelledRequest, Receive, Scope, Send
 
 from .helpers import cleanup_scope, leave, noting_cancellation, read_body, respond, until
 
@@ -287,7 +286,7 @@ async def test_a_shield_right_after_a_deferred_cancellation_is_not_interrupted(f
 
 async def test_detached_handler_runs_to_the_end_while_its_token_reports_the_disconnect() -> None:
     events: list[str] = []
-    hook_calls: list[dict[str, Any]] = []
+    hook_calls: list[CancelledRequest] = []
 
     @detach()
     async def endpoint() -> None:
@@ -304,14 +303,14 @@ async def test_detached_handler_runs_to_the_end_while_its_token_reports_the_disc
         await endpoint()
         await respond(send)
 
-    def hook(scope: Scope, **info: Any) -> None:
-        hook_calls.append(info)
+    def hook(request: CancelledRequest) -> None:
+        hook_calls.append(request)
 
     middleware = CancelOnDisconnectMiddleware(app, on_cancelled=hook, watch_delay=0)
     await leave(middleware, scope=http_scope("POST", "/payments"), when=lambda: events != [])
     assert events == ["started", "token fired", "finished cancelled=True detached=True"]
     assert len(hook_calls) == 1
-    assert hook_calls[0]["response_started"] is False
+    assert hook_calls[0].response_started is False
 
 
 async def test_detach_as_a_context_manager_and_on_a_sync_function() -> None:

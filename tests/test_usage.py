@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from asgi_cancel import CancelOnDisconnectMiddleware, TokenUsage
 from asgi_cancel.prometheus import CancelMetrics
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import Receive, Scope, Send
+from asgi_cancel.types import CancelledRequest, Receive, Scope, Send
 from asgi_cancel.vllm import generate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyncio"])]
@@ -110,12 +110,12 @@ async def cancelled_generation(
 async def test_a_cancelled_generation_reports_what_it_cost(
     anyio_backend: str, caplog: pytest.LogCaptureFixture, kind: Any, n: int
 ) -> None:
-    seen: list[TokenUsage | None] = []
+    seen: list[TokenUsage] = []
     final: list[tuple[int, int, int]] = []
 
-    def hook(scope: Scope, *, usage: TokenUsage | None = None, **_: Any) -> Any:
+    def hook(request: CancelledRequest) -> Callable[[], None]:
+        usage = request.usage
         seen.append(usage)
-        assert usage is not None
         return lambda: final.append(
             (usage.prompt_tokens, usage.completion_tokens, usage.after_cancel)
         )
@@ -154,13 +154,20 @@ async def test_cancel_metrics_count_the_tokens_of_cancelled_requests(
     assert 0 <= tokens("after_cancel") <= STEPS_AFTER_ABORT + 1
 
 
-async def test_a_hook_without_usage_is_called_as_before(
-    anyio_backend: str, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("returned", "logged"), [(None, False), (42, True)], ids=["none", "not-callable"]
+)
+async def test_a_hook_returning_neither_none_nor_a_callable_is_logged_as_an_error(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture, returned: Any, logged: bool
 ) -> None:
     calls: list[str] = []
 
-    def hook(scope: Scope, *, reason: str, elapsed: float, response_started: bool) -> None:
-        calls.append(reason)
+    def hook(request: CancelledRequest) -> Any:
+        calls.append(request.reason)
+        return returned
 
     await cancelled_generation(Params(), caplog, on_cancelled=hook)
     assert calls == ["client disconnected"]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == (["on_cancelled returned 42: return None, or a callable to call when the "
+                       "request is over"] if logged else [])  # fmt: skip

@@ -56,8 +56,8 @@ HYPERCORN = ServerSpec(
 )
 SERVERS = (UVICORN, HYPERCORN)
 CASES = [(spec, sig) for spec in SERVERS for sig in (signal.SIGTERM, signal.SIGINT)]
-WITH = "tests.reliability.inflight_app:app"
-WITHOUT = "tests.reliability.inflight_app:bare_app"
+WITH = "tests.servers.apps:hookless_app"
+WITHOUT = "tests.servers.apps:bare_app"
 
 
 @dataclass

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.servers.client import FIN, HOST, RST, close, connect, fetch, get
+from tests.servers.events import chunk
 from tests.servers.h2_client import H2Client
 from tests.servers.runner import (
     HYPERCORN_ASYNCIO,
@@ -29,7 +30,7 @@ from tests.servers.runner import (
     running_server,
 )
 
-TARGET = "tests.reliability.inflight_app:app"
+TARGET = "tests.servers.apps:hookless_app"
 # Our tasks (the middleware's, the app's) must be gone by then.
 SETTLE_TIMEOUT = 30.0
 
@@ -81,7 +82,7 @@ def leave(sock: socket.socket, rng: random.Random) -> str:
 # here, and queue every other thread call behind them).
 STAYS = {
     "hello": ("/hello", b"hello"),
-    "stream": ("/stream?n=20&every=0.002", b"".join(b"%05d\n" % index for index in range(20))),
+    "stream": ("/stream?n=20&every=0.002", b"".join(chunk(index) for index in range(20))),
     "slow": ("/slow?t=0.01", b"slow done"),
     "thread": ("/thread?t=0.01", b"thread done"),
 }

@@ -17,14 +17,14 @@ from contextlib import ExitStack, contextmanager
 import pytest
 
 from ..servers.client import HOST, RST, close, connect, get, read_response
+from ..servers.events import BIG_READ_AHEAD
 from ..servers.runner import Server, ServerSpec, serving
-from .inflight_app import BIG_READ_AHEAD
 from .shutdown import HYPERCORN, UVICORN, WITH, WITHOUT
 from .soak import settle, stats
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(120)]
 
-BIG = "tests.reliability.inflight_app:big_app"
+BIG = "tests.servers.apps:big_app"
 READ_AHEAD = 64 * 1024  # the middleware's default
 
 SLOWLORIS = 200  # connections per kind (headers, then body)
@@ -149,7 +149,7 @@ def test_idle_connections(server: Server) -> None:
 
 
 def slow_uploads(server: Server, target: str) -> float:
-    """UPLOADS connections each send a 5 MB body, a piece at a time, to `/upload` (which does
+    """UPLOADS connections each send a 5 MB body, a piece at a time, to `/digest` (which does
     not read it until `/open`), until no socket takes more; RSS is read then. The gate is then
     opened: UPLOADS_FINISHED uploads are sent to the end and checked, the others reset.
     Returns the RSS (KiB) the server grew by, per upload."""
@@ -161,7 +161,7 @@ def slow_uploads(server: Server, target: str) -> float:
         for index in range(UPLOADS):
             sock = connect(server.port)
             head = (
-                f"POST /upload?id=u{index} HTTP/1.1\r\nHost: {HOST}\r\n"
+                f"POST /digest?id=u{index} HTTP/1.1\r\nHost: {HOST}\r\n"
                 f"Content-Length: {UPLOAD_SIZE}\r\n\r\n"
             )
             # A small send buffer: the bytes a stalled upload parks stay mostly in the

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from asgi_cancel import current_token
+from asgi_cancel.types import CancelledRequest
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -28,6 +29,15 @@ Event = dict[str, Any]
 
 EVENTS_ENV = "ASGI_CANCEL_EVENTS"
 NO_ID = "-"
+# What the apps (tests/servers/apps.py) and the tests that check them both need to know.
+BIG_READ_AHEAD = 1024 * 1024  # `big_app`'s read_ahead
+CLEANUP = 0.2  # seconds of cleanup in the metrics app's cancelled endpoints
+
+
+def chunk(index: int) -> bytes:
+    """The `index`-th chunk of the apps' `/stream`: each ends in `client.CHUNK_MARKER`."""
+    return b"%05d chunk\n" % index
+
 
 _fd: int | None = None
 
@@ -68,14 +78,14 @@ def token_state() -> dict[str, Any]:
     }
 
 
-def record_hook(scope: Scope, *, reason: str, elapsed: float, response_started: bool) -> None:
+def record_hook(request: CancelledRequest) -> None:
     """The middleware's `on_cancelled` hook."""
     record(
-        request_id(scope),
+        request_id(request.scope),
         "hook",
-        reason=reason,
-        elapsed=elapsed,
-        response_started=response_started,
+        reason=request.reason,
+        elapsed=request.elapsed,
+        response_started=request.response_started,
     )
 
 
@@ -97,10 +107,10 @@ def recording_exit(app: ASGIApp) -> ASGIApp:
     return app_with_exit_record
 
 
-async def respond(send: Send, body: bytes) -> None:
-    """A whole 200 text/plain response with a Content-Length."""
+async def respond(send: Send, body: bytes, *, status: int = 200) -> None:
+    """A whole text/plain response with a Content-Length."""
     headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -1,7 +1,7 @@
 """Start and stop real ASGI servers as subprocesses on 127.0.0.1.
 
 The server process has the repository on its path, so an app is named as in the tests
-(`tests.servers.probe_app:app`) and the package it imports is this checkout's.
+(`tests.servers.apps:app`) and the package it imports is this checkout's.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Server:
         self.workdir = workdir  # the cwd, not the tests folder: nothing may shadow an import
         self.log_path = workdir / "server.log"
         self.events = EventLog(workdir / "events.jsonl")
-        # tests/ too, for targets named from there (`servers.metrics_app:app`).
+        # tests/ too, for targets named from there (`servers.apps:metrics`).
         path = [str(ROOT), str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
         self.env = {**os.environ, EVENTS_ENV: str(self.events.path), "PYTHONUNBUFFERED": "1"}
         self.env["PYTHONPATH"] = os.pathsep.join(path)

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.servers, pytest.mark.timeout(90)]
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(UVICORN_HTTPTOOLS, "tests.servers.chain_app:backend", tmp_path_factory) as server:
+    with serving(UVICORN_HTTPTOOLS, "tests.servers.apps:backend", tmp_path_factory) as server:
         yield server
 
 
@@ -35,7 +35,7 @@ def gateway(
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CHAIN_BACKEND_PORT", str(backend.port))
         spec = replace(UVICORN_HTTPTOOLS, name=request.param)  # named in the latency table
-        with serving(spec, f"tests.servers.chain_app:{request.param}", tmp_path_factory) as server:
+        with serving(spec, f"tests.servers.apps:{request.param}", tmp_path_factory) as server:
             yield server
 
 

@@ -23,7 +23,7 @@ from .runner import UVICORN_ARGS, Server, ServerSpec, command, running_server
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(120)]
 
-TARGET = "tests.servers.cluster_app:app"
+TARGET = "tests.servers.apps:cluster"
 WORKERS = 3
 THREE_WORKERS = ServerSpec("uvicorn-3-workers", command(*UVICORN_ARGS, "--workers", str(WORKERS)))
 ONE = ServerSpec("uvicorn", command(*UVICORN_ARGS))

@@ -24,7 +24,7 @@ UPLOAD_SENT = 20_000
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    with serving(request.param, "tests.servers.probe_app:app", tmp_path_factory) as server:
+    with serving(request.param, "tests.servers.apps:app", tmp_path_factory) as server:
         yield server
 
 

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    with serving(GUNICORN, f"tests.servers.probe_app:{request.param}", tmp_path_factory) as server:
+    with serving(GUNICORN, f"tests.servers.apps:{request.param}", tmp_path_factory) as server:
         yield server
 
 

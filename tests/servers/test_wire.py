@@ -1,7 +1,7 @@
 """What goes over the wire with the middleware, against what goes without it, on every server.
 
 Hostile and unusual clients, on each HTTP/1.1 server of the table (docs/servers.md), one
-process per server serving the same endpoints bare and wrapped (`servers.wire_app`):
+process per server serving the same endpoints bare and wrapped (`servers.apps:wire`):
 
 - a 100 KB value for each header the middleware parses, and request ids of every kind;
 - pipelined requests (answered in order, and a close during the first logs nothing);
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from .client import connect, get, read_head, recv_some, send_request
+from .client import CHUNK_MARKER, connect, get, read_head, recv_some, send_request
 from .runner import HTTP1_SERVERS, Server, ServerSpec, running_server
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
@@ -48,7 +48,7 @@ def server(
 ) -> Iterator[Server]:
     spec: ServerSpec = request.param
     workdir: Path = tmp_path_factory.mktemp(spec.name)
-    with running_server(spec, "tests.servers.wire_app:app", workdir) as running:
+    with running_server(spec, "tests.servers.apps:wire", workdir) as running:
         yield running
 
 
@@ -167,7 +167,7 @@ def test_pipelined_requests_are_answered_in_order(server: Server, prefix: str) -
     with connect(server.port) as sock:
         for index in range(3):
             send_request(sock, "GET", f"/{prefix}/slow?t=0.0{index}")
-        assert responses(sock, 3) == [(200, b"slow")] * 3
+        assert responses(sock, 3) == [(200, b"slow done")] * 3
 
 
 @pytest.mark.parametrize("prefix", PREFIXES)
@@ -223,7 +223,7 @@ def test_a_stream_cut_by_its_deadline_looks_cut(server: Server, kind: str) -> No
     if kind == "length":
         assert 0 < len(body) < int(headers["content-length"])  # short: httpx, curl can tell
     elif kind == "chunked":
-        assert body.count(b"x" * 32) >= 3
+        assert body.count(CHUNK_MARKER) >= 3
         assert not body.endswith(b"0\r\n\r\n")  # no final chunk: the client can tell
     else:
         assert b"event: error\r\n" in body or b"event: error\n" in body

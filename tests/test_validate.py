@@ -1,0 +1,75 @@
+"""Every option given in seconds, on every constructor, goes through one check with one
+message: `<option> must be a finite number of seconds ..., got <value> (<type>)`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
+from asgi_cancel.testing import ClientConnection
+from asgi_cancel.types import Receive, Scope, Send
+
+
+async def hello_app(scope: Scope, receive: Receive, send: Send) -> None:
+    raise AssertionError("not called")
+
+
+BAD = [-1, float("nan"), float("inf"), "1", True, None]
+
+
+def middleware(**options: Any) -> object:
+    return CancelOnDisconnectMiddleware(hello_app, **options)
+
+
+def redis_broker(**options: Any) -> object:
+    from asgi_cancel.redis import RedisBroker
+
+    return RedisBroker("redis://127.0.0.1:1/0", **options)
+
+
+# (what makes one, the option, the bounds its message names, a value it takes, ones it refuses)
+OPTIONS: list[tuple[Callable[..., object], str, str, float, list[Any]]] = [
+    (lambda **o: CancelOnDisconnectMiddleware(hello_app, **o), "grace", ">= 0", 0, BAD),
+    (lambda **o: CancelOnDisconnectMiddleware(hello_app, **o), "watch_delay", ">= 0", 0, BAD),
+    (
+        lambda **o: CancelOnDisconnectMiddleware(hello_app, **o),
+        "timeout",
+        "None or",
+        1,
+        [0, *BAD[:-1]],
+    ),
+    (CancelRegistry, "remember", ">= 0", 0, BAD),
+    (ClientConnection, "body_delay", ">= 0", 0, BAD),
+    (redis_broker, "wait", "> 0 and < 60", 1, [0, 60, *BAD]),
+    (redis_broker, "connect_timeout", "> 0 and < 60", 1, [0, 60, *BAD]),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "option", "bounds", "value"),
+    [(make, option, bounds, bad) for make, option, bounds, _, bads in OPTIONS for bad in bads],
+    ids=lambda value: repr(value) if not callable(value) else "",
+)
+def test_a_bad_number_of_seconds_is_a_value_error_naming_the_option(
+    make: Callable[..., object], option: str, bounds: str, value: Any
+) -> None:
+    with pytest.raises(ValueError, match=rf"^{option} must be ") as error:
+        make(**{option: value})
+    message = str(error.value)
+    assert "a finite number of seconds" in message, message
+    assert bounds in message, message
+    assert message.endswith(f", got {value!r} ({type(value).__name__})"), message
+
+
+@pytest.mark.parametrize(
+    ("make", "option", "good"),
+    [(make, option, good) for make, option, _, good, _ in OPTIONS],
+    ids=[option for _, option, *_ in OPTIONS],
+)
+def test_a_good_number_of_seconds_is_taken(
+    make: Callable[..., object], option: str, good: float
+) -> None:
+    make(**{option: good})  # the control: the same constructor takes a valid value
