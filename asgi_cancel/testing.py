@@ -14,13 +14,17 @@ Real servers differ in what `receive()` does after a disconnect: uvicorn and gra
 `http.disconnect` again on every call, hypercorn and daphne deliver it once and then block
 forever. `after_disconnect="block"` (the default) reproduces the stricter behaviour.
 
-Needs anyio (installed with Starlette, httpx and FastAPI); works on asyncio and trio.
+`ASGITransport` is the same for an `httpx.AsyncClient`: a drop-in for `httpx.ASGITransport`
+whose responses stream and whose client can leave (closing a stream, a read timeout).
+
+Needs anyio (installed with Starlette, httpx and FastAPI), and httpx for `ASGITransport`; works
+on asyncio and trio.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import quote
 
 from ._extras import missing_extra
@@ -33,7 +37,22 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
 from ._validate import seconds
 from .types import ASGIApp, Message, Scope
 
-__all__ = ["ClientConnection", "http_scope"]
+if TYPE_CHECKING:
+    from ._testing_transport import AppStillRunning as AppStillRunning
+    from ._testing_transport import ASGITransport as ASGITransport
+
+__all__ = ["ASGITransport", "AppStillRunning", "ClientConnection", "http_scope"]
+
+
+def __getattr__(name: str) -> object:
+    # The transport needs httpx, ClientConnection does not: imported on first use.
+    if name in ("ASGITransport", "AppStillRunning"):
+        try:
+            from . import _testing_transport
+        except ImportError as exc:
+            raise missing_extra("testing", exc) from exc
+        return getattr(_testing_transport, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def http_scope(

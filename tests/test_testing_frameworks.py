@@ -1,0 +1,226 @@
+"""asgi_cancel.testing.ASGITransport against real frameworks' apps: the client leaves and the
+app's own cleanup (a FastAPI dependency's teardown, a generator's `finally`) has run when the
+client's call returns. Each has its control: httpx's ASGITransport, under which the app never
+learns that its client left."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import anyio
+import httpx
+import pytest
+from fastapi import Depends, FastAPI
+from quart import Quart
+from sse_starlette.sse import AppStatus, EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from asgi_cancel import CancelOnDisconnectMiddleware
+from asgi_cancel.testing import AppStillRunning, ASGITransport
+from asgi_cancel.types import AnyASGIApp
+
+pytestmark = [
+    pytest.mark.anyio,
+    # trio's finalizer warns about httpx's async generators left by a `break`: not ours.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]
+CHUNKS = 200  # what a stream makes if nobody stops it
+TRANSPORTS = [ASGITransport, httpx.ASGITransport]
+IDS = ["ours", "control-httpx"]
+
+
+def client(transport: httpx.AsyncBaseTransport, **kwargs: object) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=transport, base_url="http://testserver", **kwargs)  # type: ignore[arg-type]
+
+
+async def read_one_chunk_and_leave(app: AnyASGIApp, transport: type) -> None:
+    with anyio.fail_after(10):
+        async with client(transport(app)) as http, http.stream("GET", "/") as response:
+            async for _ in response.aiter_raw():
+                break
+
+
+def fastapi_app(events: list[str], delay: float) -> FastAPI:
+    api = FastAPI()
+
+    async def session() -> AsyncIterator[str]:
+        try:
+            yield "session"
+        finally:
+            events.append("teardown")
+
+    @api.get("/")
+    async def slow(db: str = Depends(session)) -> dict[str, str]:
+        try:
+            await anyio.sleep(delay)
+        except anyio.get_cancelled_exc_class():
+            events.append("endpoint cancelled")
+            raise
+        events.append("endpoint done")
+        return {"db": db}
+
+    return api
+
+
+async def test_fastapi_yield_dependency_teardown_runs_when_the_client_times_out() -> None:
+    events: list[str] = []
+    app = CancelOnDisconnectMiddleware(fastapi_app(events, delay=30))
+    with anyio.fail_after(10):
+        async with client(ASGITransport(app), timeout=0.1) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.get("/")
+            assert events == ["endpoint cancelled", "teardown"]
+
+
+async def test_control_fastapi_under_httpx_asgitransport_runs_to_its_end() -> None:
+    events: list[str] = []
+    app = CancelOnDisconnectMiddleware(fastapi_app(events, delay=0.3))
+    with anyio.fail_after(10):
+        async with client(httpx.ASGITransport(app), timeout=0.1) as http:
+            response = await http.get("/")  # no timeout: the transport ignores it
+    assert response.json() == {"db": "session"}
+    assert events == ["endpoint done", "teardown"]
+
+
+def fastapi_stream_app(events: list[str]) -> FastAPI:
+    api = FastAPI()
+
+    async def session() -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            events.append("teardown")
+
+    @api.get("/", dependencies=[Depends(session)])
+    async def stream() -> StreamingResponse:
+        async def tokens() -> AsyncIterator[bytes]:
+            try:
+                for _ in range(CHUNKS):
+                    yield b"token "
+                    await anyio.sleep(0.001)
+                events.append("all tokens")
+            finally:
+                events.append("generator ended")
+
+        return StreamingResponse(tokens())
+
+    return api
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
+async def test_fastapi_stream_with_a_yield_dependency_stops_when_the_client_leaves(
+    transport: type,
+) -> None:
+    events: list[str] = []
+    await read_one_chunk_and_leave(fastapi_stream_app(events), transport)
+    # The teardown's place differs between FastAPI versions (before the body before 0.118).
+    assert "teardown" in events
+    if transport is ASGITransport:
+        assert "all tokens" not in events
+        assert "generator ended" in events
+    else:
+        assert "all tokens" in events
+
+
+def starlette_app(made: list[int]) -> Starlette:
+    async def stream(request: Request) -> Response:
+        async def chunks() -> AsyncIterator[bytes]:
+            for index in range(CHUNKS):
+                made.append(index)
+                yield b"%d," % index
+                await anyio.sleep(0.001)
+
+        return StreamingResponse(chunks(), media_type="text/plain")
+
+    return Starlette(routes=[Route("/", stream)])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
+async def test_starlette_streaming_response_stops_when_the_client_leaves(transport: type) -> None:
+    made: list[int] = []
+    await read_one_chunk_and_leave(starlette_app(made), transport)
+    if transport is ASGITransport:
+        assert len(made) < CHUNKS  # Starlette's own listener saw the disconnect
+    else:
+        assert len(made) == CHUNKS
+
+
+def sse_app(events: list[str]) -> Starlette:
+    async def stream(request: Request) -> Response:
+        async def ticks() -> AsyncIterator[dict[str, str]]:
+            try:
+                for _ in range(CHUNKS):
+                    yield {"data": "tick"}
+                    await anyio.sleep(0.001)
+                events.append("all ticks")
+            finally:
+                events.append("generator ended")
+
+        return EventSourceResponse(ticks())
+
+    return Starlette(routes=[Route("/", stream)])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
+async def test_sse_starlette_stops_when_the_client_leaves(transport: type) -> None:
+    # sse-starlette before 2.2 keeps one exit event for the process, bound to the first loop.
+    if getattr(AppStatus, "should_exit_event", None) is not None:
+        setattr(AppStatus, "should_exit_event", None)  # noqa: B010 (absent from new versions)
+    events: list[str] = []
+    await read_one_chunk_and_leave(sse_app(events), transport)
+    if transport is ASGITransport:
+        assert events == ["generator ended"]
+    else:
+        assert events == ["all ticks", "generator ended"]
+
+
+def quart_app(events: list[str], delay: float) -> Quart:
+    app = Quart(__name__)
+
+    @app.route("/")
+    async def slow() -> str:
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            events.append("handler cancelled")  # Quart cancels it on http.disconnect
+            raise
+        events.append("handler done")
+        return "done"
+
+    return app
+
+
+@pytest.mark.asyncio_only(reason="Quart runs on asyncio only")
+async def test_quart_cancels_its_handler_when_the_client_times_out() -> None:
+    events: list[str] = []
+    with anyio.fail_after(10):
+        async with client(ASGITransport(quart_app(events, delay=30)), timeout=0.1) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.get("/")
+            assert events == ["handler cancelled"]
+
+
+@pytest.mark.asyncio_only(reason="Quart runs on asyncio only")
+async def test_control_quart_under_httpx_asgitransport_runs_to_its_end() -> None:
+    events: list[str] = []
+    transport = httpx.ASGITransport(quart_app(events, delay=0.3))  # type: ignore[arg-type]
+    with anyio.fail_after(10):
+        async with client(transport, timeout=0.1) as http:
+            assert (await http.get("/")).text == "done"
+    assert events == ["handler done"]
+
+
+async def test_fastapi_alone_runs_on_after_the_client_left_and_is_reported() -> None:
+    events: list[str] = []
+    transport = ASGITransport(fastapi_app(events, delay=30), exit_timeout=0.2)
+    with anyio.fail_after(10):
+        async with client(transport, timeout=0.1) as http:
+            with pytest.raises(AppStillRunning, match=r"0\.2s after its client left"):
+                await http.get("/")
+            # FastAPI never listens for the disconnect: the transport cancelled it, and said so.
+            assert events == ["endpoint cancelled", "teardown"]
