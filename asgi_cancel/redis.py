@@ -123,7 +123,7 @@ class RedisBroker:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            logger.warning("asgi_cancel: RedisBroker needs asyncio; cancels stay local here")
+            logger.warning("RedisBroker needs asyncio; cancels stay local here")
             return
         self._loop = loop
         self._tried_event = asyncio.Event()
@@ -222,7 +222,7 @@ class RedisBroker:
         try:
             await asyncio.wait_for(self._client.publish(channel, data), self.connect_timeout)
         except (asyncio.TimeoutError, RedisError, OSError):
-            logger.debug("asgi_cancel: a broker message was not sent", exc_info=True)
+            logger.debug("a broker message was not sent", exc_info=True)
 
     # -- listening -------------------------------------------------------------------------------
     async def _listen(self) -> None:
@@ -242,7 +242,7 @@ class RedisBroker:
                 self.connected = True
                 self._tried_done()
                 if away:
-                    logger.info("asgi_cancel: the broker at %s is reachable again", self._safe_url)
+                    logger.info("the broker at %s is reachable again", self._safe_url)
                 away, backoff = False, 0.1
                 while True:
                     message = await pubsub.get_message(timeout=1.0)
@@ -251,11 +251,11 @@ class RedisBroker:
             except Exception as exc:  # RedisError, OSError; anything else is logged in full
                 self.connected = False
                 if not isinstance(exc, (RedisError, OSError)):
-                    logger.exception("asgi_cancel: the broker's listener failed; restarting it")
+                    logger.exception("the broker's listener failed; restarting it")
                 if not away:
                     away = True
                     logger.warning(
-                        "asgi_cancel: the broker at %s is unreachable (%s); cancels by id reach "
+                        "the broker at %s is unreachable (%s); cancels by id reach "
                         "this process only until it is back",
                         self._safe_url,
                         type(exc).__name__,

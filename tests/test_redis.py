@@ -307,6 +307,6 @@ def test_one_registry_per_broker_no_credentials_shown_local_without_a_loop(
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
         broker.start_soon()  # no running loop: nothing to listen in
     assert [r.getMessage() for r in caplog.records] == [
-        "asgi_cancel: RedisBroker needs asyncio; cancels stay local here"
+        "RedisBroker needs asyncio; cancels stay local here"
     ]
     assert asyncio.run(broker.cancel_elsewhere("r1", "cancelled by id")) is False
