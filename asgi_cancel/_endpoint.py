@@ -51,7 +51,8 @@ def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) ->
     - 202 `{"id": ..., "cancelled": true}`: the request was running and is now cancelled
       (its client gets a 499, or the end of its stream);
     - 404 `{"id": ..., "cancelled": false}`: no such request running (unknown, finished, or
-      already cancelled);
+      already cancelled); with `"broker": "unreachable"` while the registry's broker cannot
+      reach the other processes: none here, and the others were not asked;
     - 400 for an id that no request can have (see `CancelRegistry`);
     - 403 when `authorize(scope)` is false, 405 for another method, 404 for another path.
 
@@ -90,7 +91,11 @@ def cancel_endpoint(registry: CancelRegistry, *, authorize: Authorize | None) ->
             await _answer(send, 400, {"error": message})
             return
         cancelled = await registry.acancel(request_id, CANCELLED)
-        await _answer(send, 202 if cancelled else 404, {"id": request_id, "cancelled": cancelled})
+        content: dict[str, object] = {"id": request_id, "cancelled": cancelled}
+        broker = registry.broker
+        if not cancelled and broker is not None and not broker.connected:
+            content["broker"] = "unreachable"  # the answer of this process alone
+        await _answer(send, 202 if cancelled else 404, content)
 
     return app
 

@@ -1,5 +1,6 @@
 """The app of tests/servers/test_cluster.py: one process of a deployment that cancels by id
-through Redis (`$ASGI_CANCEL_REDIS_URL`).
+through Redis (`$ASGI_CANCEL_REDIS_URL`; the broker's `health_timeout` from
+`$ASGI_CANCEL_REDIS_HEALTH`, 10 s without it).
 
 - `/hello`; `/whoami`: this process's pid.
 - `/slow?id=ID` (request id `ID` in `X-Request-Id`): records `start` with the pid, then
@@ -17,7 +18,12 @@ from asgi_cancel.redis import RedisBroker
 
 from .events import Message, Receive, Scope, Send, record, request_id, respond, serve_lifespan
 
-registry = CancelRegistry(broker=RedisBroker(os.environ["ASGI_CANCEL_REDIS_URL"], wait=2.0))
+broker = RedisBroker(
+    os.environ["ASGI_CANCEL_REDIS_URL"],
+    wait=2.0,
+    health_timeout=float(os.environ.get("ASGI_CANCEL_REDIS_HEALTH", "10")),
+)
+registry = CancelRegistry(broker=broker)
 endpoint = cancel_endpoint(registry, authorize=None)
 PID = str(os.getpid()).encode()
 
