@@ -311,7 +311,9 @@ def test_a_busy_redis_is_not_taken_as_away(
             with socket.create_connection(("127.0.0.1", redis.port), timeout=WATCHDOG) as sock:
                 sock.sendall(command(b"EVAL", script.encode(), b"0"))
                 sock.settimeout(0.05)
+                deadline = time.monotonic() + WATCHDOG
                 while True:  # until the script is done: the brokers stay connected throughout
+                    assert time.monotonic() < deadline, "the script never ended"
                     assert a.broker.connected
                     assert b.broker.connected
                     try:
