@@ -73,6 +73,9 @@ _Table = dict[str, dict["Stoppable", Callable[[Callable[[], object]], object]]]
 class Broker(Protocol):
     """What carries cancels by id between the processes of a deployment (`RedisBroker`)."""
 
+    connected: bool
+    """Whether cancels reach the other processes now (False while their broker is away)."""
+
     def bind(self, registry: CancelRegistry) -> None:
         """Serve `registry`: deliver the cancels other processes send to it
         (`registry.stop_here()`), from the first use in an event loop on."""

@@ -14,9 +14,9 @@ cancel issued in any of them, by `registry.acancel()` or the cancel endpoint, is
 all; the process that holds the request stops it under the same rules as a local cancel, and
 answers, so that the caller learns within `wait` seconds whether some process held it.
 Registration stays local: a request that is not cancelled costs no network round trip, and an
-outage of Redis never harms or slows a request; cancels then reach the local process only, and
-the outage is logged once. Needs the `redis` extra (`pip install 'asgi-cancel[redis]'`) and an
-asyncio event loop.
+outage of Redis (down, or frozen: silent for `health_timeout`) never harms or slows a request;
+cancels then reach the local process only, and the outage is logged once. Needs the `redis`
+extra (`pip install 'asgi-cancel[redis]'`) and an asyncio event loop.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ._extras import missing_extra
 
 try:
     import redis.asyncio as aioredis
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisError, ResponseError
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
     raise missing_extra("redis", exc) from exc
 
@@ -48,6 +48,8 @@ logger = logging.getLogger("asgi_cancel")
 MAX_MESSAGE = 1024
 MAX_REASON = 100
 MAX_BACKOFF = 5.0
+# The listener pings Redis this many times per health_timeout.
+PINGS_PER_TIMEOUT = 10
 _VERSION = 1
 
 
@@ -62,9 +64,13 @@ class RedisBroker:
 
     The connection is made when the registry is first used in an event loop (a request, a
     cancel), and made again with backoff after an outage, which is logged once (WARNING) and
-    its end once (INFO). Incoming messages are size-capped and their ids checked as at the
-    edge (1 to 200 of `A-Z a-z 0-9 . _ ~ : + = @ -`); nothing queues: during an outage a
-    cancel is not sent at all. Redis is trusted infrastructure: see docs/at-scale.md for an
+    its end once (INFO). An outage is a refused or lost connection, or a Redis that answers
+    nothing for `health_timeout` seconds (frozen, or a black-holed network path: noticed at
+    most 1.3 x `health_timeout` after it stopped answering). While it lasts, a cancel that no
+    local request held is answered at once, not held (the endpoint's 404, with `"broker":
+    "unreachable"`), and nothing queues: it is not sent at all. Incoming messages are
+    size-capped and their ids checked as at the edge (1 to 200 of `A-Z a-z 0-9 . _ ~ : + =
+    @ -`). Redis is trusted infrastructure: see docs/at-scale.md for an
     ACL user and TLS (`rediss://`).
 
     Args:
@@ -72,7 +78,15 @@ class RedisBroker:
             credentials if any (never logged).
         channel: the pub/sub channel the deployment shares.
         wait: seconds a cancel waits for the other processes' answers at most.
-        connect_timeout: seconds a connection attempt (and each publish) may take at most.
+        connect_timeout: seconds opening a connection may take at most, and each publish
+            that waits for no answers.
+        health_timeout: seconds Redis may leave the broker's ping unanswered before it is
+            taken as away (a frozen Redis, a black-holed network path: a connection that stays
+            open and silent); the listener pings it every tenth of that, and a new connection
+            counts once Redis confirmed the subscriptions within it. The default, 10 s, is
+            twice the 5 s after which a Redis busy with a long script answers BUSY
+            (`busy-reply-threshold`): keep it above that, and a busy Redis is never taken as
+            away.
 
     Raises:
         ValueError: `url` is not a Redis URL, or a duration is not a positive number.
@@ -85,18 +99,24 @@ class RedisBroker:
         channel: str = "asgi-cancel",
         wait: float = 1.0,
         connect_timeout: float = 0.5,
+        health_timeout: float = 10.0,
     ) -> None:
         scheme = urlsplit(url).scheme if isinstance(url, str) else ""
         if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {url!r}")
         if not isinstance(channel, str) or not channel or len(channel) > 100:
             raise ValueError(f"channel must be a short non-empty name, got {channel!r}")
-        for name, value in (("wait", wait), ("connect_timeout", connect_timeout)):
+        for name, value in (
+            ("wait", wait),
+            ("connect_timeout", connect_timeout),
+            ("health_timeout", health_timeout),
+        ):
             seconds(name, value, positive=True, below=60)
         self.url = url
         self.channel = channel
         self.wait = float(wait)
         self.connect_timeout = float(connect_timeout)
+        self.health_timeout = float(health_timeout)
         self.node = os.urandom(8).hex()
         self.connected = False
         self._registry: CancelRegistry | None = None
@@ -122,7 +142,7 @@ class RedisBroker:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            logger.warning("asgi_cancel: RedisBroker needs asyncio; cancels stay local here")
+            logger.warning("RedisBroker needs asyncio; cancels stay local here")
             return
         self._loop = loop
         self._tried_event = asyncio.Event()
@@ -221,7 +241,7 @@ class RedisBroker:
         try:
             await asyncio.wait_for(self._client.publish(channel, data), self.connect_timeout)
         except (asyncio.TimeoutError, RedisError, OSError):
-            logger.debug("asgi_cancel: a broker message was not sent", exc_info=True)
+            logger.debug("a broker message was not sent", exc_info=True)
 
     # -- listening -------------------------------------------------------------------------------
     async def _listen(self) -> None:
@@ -231,41 +251,80 @@ class RedisBroker:
             client = aioredis.Redis.from_url(
                 self.url,
                 socket_connect_timeout=self.connect_timeout,
-                socket_timeout=None,
-                health_check_interval=2,
+                socket_timeout=self.health_timeout,
             )
-            pubsub: Any = client.pubsub(ignore_subscribe_messages=True)
+            pubsub: Any = client.pubsub()
             try:
-                await pubsub.subscribe(self.channel, self._reply_channel(self.node))
+                # A frozen Redis (or a black-holed path) still completes the TCP handshake in
+                # the kernel: connected means Redis itself confirmed the subscriptions.
+                await asyncio.wait_for(self._subscribe(pubsub), self.health_timeout)
                 self._client = client
                 self.connected = True
                 self._tried_done()
                 if away:
-                    logger.info("asgi_cancel: the broker at %s is reachable again", self._safe_url)
+                    logger.info("the broker at %s is reachable again", self._safe_url)
                 away, backoff = False, 0.1
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None:
-                        await self._received(message.get("data"))
-            except Exception as exc:  # RedisError, OSError; anything else is logged in full
+                await self._serve(pubsub)
+            except Exception as exc:  # RedisError, OSError, a timeout; anything else in full
                 self.connected = False
-                if not isinstance(exc, (RedisError, OSError)):
-                    logger.exception("asgi_cancel: the broker's listener failed; restarting it")
+                if not isinstance(exc, (RedisError, OSError, asyncio.TimeoutError)):
+                    logger.exception("the broker's listener failed; restarting it")
                 if not away:
                     away = True
                     logger.warning(
-                        "asgi_cancel: the broker at %s is unreachable (%s); cancels by id reach "
-                        "this process only until it is back",
+                        "the broker at %s is unreachable (%s); cancels by id reach this process "
+                        "only until it is back",
                         self._safe_url,
-                        type(exc).__name__,
+                        self._why(exc),
                     )
             finally:
                 self.connected = False
                 self._tried_done()
-                await _quietly(pubsub.aclose())
-                await _quietly(client.aclose())
+                await _quietly(pubsub.aclose(), self.connect_timeout)
+                await _quietly(client.aclose(), self.connect_timeout)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
+
+    async def _subscribe(self, pubsub: Any) -> None:
+        await pubsub.subscribe(self.channel, self._reply_channel(self.node))
+        while True:
+            message = await pubsub.get_message(timeout=self.health_timeout / PINGS_PER_TIMEOUT)
+            if message is None:
+                continue
+            if message["type"] == "message":
+                await self._received(message.get("data"))
+            elif message["type"] == "subscribe" and message["data"] == 2:
+                return  # both channels confirmed
+
+    async def _serve(self, pubsub: Any) -> None:
+        """Deliver the messages; ping Redis every health_timeout / 10 seconds, and raise
+        TimeoutError once a ping is unanswered for health_timeout (nothing at all heard)."""
+        loop = asyncio.get_running_loop()
+        every = self.health_timeout / PINGS_PER_TIMEOUT
+        pinged_at = loop.time()  # the last ping sent (the subscription counts as one answered)
+        unanswered = False
+        while True:
+            try:
+                message = await pubsub.get_message(timeout=every)
+            except ResponseError:  # -BUSY during a long script, and the like: Redis is there
+                message = {"type": "error"}
+            now = loop.time()
+            if message is not None:
+                unanswered = False  # anything heard: Redis is there
+                if message["type"] == "message":
+                    await self._received(message.get("data"))
+            # Judged only after a read found nothing waiting: a loop blocked by the app longer
+            # than health_timeout finds the answer in the socket, never a false outage.
+            elif unanswered and now - pinged_at > self.health_timeout:
+                raise TimeoutError(f"no answer in {self.health_timeout:g} s")
+            if now - pinged_at >= every and not unanswered:
+                await pubsub.ping()
+                pinged_at, unanswered = loop.time(), True
+
+    def _why(self, exc: Exception) -> str:
+        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            return f"no answer in {self.health_timeout:g} s"
+        return type(exc).__name__
 
     async def _received(self, data: object) -> None:
         if not isinstance(data, bytes) or len(data) > MAX_MESSAGE:
@@ -339,8 +398,8 @@ def _without_credentials(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-async def _quietly(closing: Any) -> None:
+async def _quietly(closing: Any, timeout: float) -> None:
     try:
-        await closing
-    except (RedisError, OSError):
+        await asyncio.wait_for(closing, timeout)
+    except (RedisError, OSError, asyncio.TimeoutError):
         pass

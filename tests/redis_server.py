@@ -1,14 +1,18 @@
 """A real `redis-server` on a free 127.0.0.1 port, for the broker's tests (Debian's package;
-`.ci/run` installs it). Missing, the tests skip, except under `CI=true`, where they fail."""
+`.ci/run` installs it). Missing, the tests skip, except under `CI=true`, where they fail.
+`frozen()` stops it with SIGSTOP for a bounded time: its connections stay open and silent, as
+behind a black-holed network path."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,9 +24,10 @@ START_TIMEOUT = 10.0
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, args: Sequence[str] = ()) -> None:
         self.workdir = workdir
         self.port = port or free_port()
+        self.args = list(args)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -48,6 +53,7 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.workdir),
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -72,10 +78,25 @@ class RedisServer:
             self.process.wait(10)
         self.process = None
 
+    @contextmanager
+    def frozen(self, at_most: float) -> Iterator[None]:
+        """Redis stopped (SIGSTOP) until the block ends, and `at_most` seconds whatever the
+        test does (a timer sends the SIGCONT): a failing test never leaves it frozen."""
+        assert self.process is not None
+        process = self.process
+        process.send_signal(signal.SIGSTOP)
+        timer = threading.Timer(at_most, process.send_signal, (signal.SIGCONT,))
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            process.send_signal(signal.SIGCONT)
+
 
 @contextmanager
-def running_redis(workdir: Path) -> Iterator[RedisServer]:
-    server = RedisServer(workdir)
+def running_redis(workdir: Path, args: Sequence[str] = ()) -> Iterator[RedisServer]:
+    server = RedisServer(workdir, args=args)
     server.start()
     try:
         yield server

@@ -4,8 +4,8 @@ Each "process" here is an event loop in a thread with its own `CancelRegistry` a
 the same Redis and channel. A cancel through any process, and an unknown id answered as soon as
 every process said no: tests/servers/test_cluster.py, with real server processes. Here: a
 cancel that arrives before its request stops it when it comes; and faults (Redis away at
-start, killed mid-run and restarted, slow, hostile messages) never harm a request, keep local
-cancels working and are logged once.
+start, killed mid-run and restarted, frozen, busy, slow, hostile messages) never harm a
+request, keep local cancels working and are logged once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, cancel_endpoint
 from asgi_cancel.redis import RedisBroker
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
@@ -32,14 +32,20 @@ from .redis_server import RedisServer, running_redis
 from .servers.process import free_port
 
 WATCHDOG = 10.0
+HEALTH = 1.5  # health_timeout where Redis freezes or is busy: a freeze is noticed within 2 s
+FREEZE = 8.0  # a frozen Redis is resumed after this at the latest, whatever the test does
 
 
 class Node:
     """One process of a deployment: an event loop in a thread, a registry, a broker."""
 
-    def __init__(self, url: str, name: str) -> None:
+    def __init__(
+        self, url: str, name: str, *, wait: float = 1.0, health_timeout: float = 10.0
+    ) -> None:
         self.name = name
-        self.broker = RedisBroker(url, wait=1.0, connect_timeout=0.3)
+        self.broker = RedisBroker(
+            url, wait=wait, connect_timeout=0.3, health_timeout=health_timeout
+        )
         self.registry = CancelRegistry(broker=self.broker, remember=2.0)
         self.events: list[str] = []
         self.loop = asyncio.new_event_loop()
@@ -92,6 +98,17 @@ class Node:
         started = time.perf_counter()
         held = self.run(self.registry.acancel(request_id))
         return held, time.perf_counter() - started
+
+    def endpoint_cancel(self, request_id: str) -> tuple[int | None, object]:
+        """DELETE /{id} on this process's cancel endpoint: (status, the JSON answer)."""
+
+        async def ask() -> tuple[int | None, object]:
+            conn = ClientConnection()
+            endpoint = cancel_endpoint(self.registry, authorize=None)
+            await asyncio.wait_for(conn.run(endpoint, http_scope("DELETE", f"/{request_id}")), 5)
+            return conn.status, json.loads(conn.body)
+
+        return self.run(ask())  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self.run(self.broker.aclose())
@@ -171,11 +188,14 @@ def test_hostile_messages_on_the_channel_are_ignored(nodes: list[Node], redis: R
 
 def publish(redis: RedisServer, channel: str, data: bytes) -> None:
     """PUBLISH over a raw socket (RESP), as anyone who can reach Redis could."""
-    parts = [b"PUBLISH", channel.encode(), data]
-    command = b"*3\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
     with socket.create_connection(("127.0.0.1", redis.port), timeout=5) as sock:
-        sock.sendall(command)
+        sock.sendall(command(b"PUBLISH", channel.encode(), data))
         assert sock.recv(64).startswith(b":")
+
+
+def command(*parts: bytes) -> bytes:
+    """A Redis command in RESP."""
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
 
 
 def test_redis_unreachable_at_start_keeps_local_cancels_working(
@@ -194,6 +214,8 @@ def test_redis_unreachable_at_start_keeps_local_cancels_working(
         held, took = node.acancel("unknown")
         assert held is False
         assert took < 0.1  # Redis away: no waiting for answers that cannot come
+        answer = {"id": "unknown", "cancelled": False, "broker": "unreachable"}
+        assert node.endpoint_cancel("unknown") == (404, answer)  # and the answer says so
     finally:
         node.close()
     unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
@@ -233,6 +255,100 @@ def test_redis_killed_then_restarted_cancels_reach_across_again(
     messages = [r.getMessage() for r in caplog.records if r.name == "asgi_cancel"]
     assert sum("unreachable" in m for m in messages) == 2, messages  # once per broker
     assert sum("reachable again" in m for m in messages) == 2
+
+
+def test_a_frozen_redis_is_noticed_once_cancels_answer_at_once_then_work_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis stopped with SIGSTOP: its connections stay open and silent, as behind a
+    black-holed network path. Each broker notices within 1.3 x health_timeout and logs it
+    once; a cancel no local request holds is answered at once (404, "broker": "unreachable"),
+    not after `wait`; requests run and local cancels work. Once Redis resumes, each broker
+    logs it once and cancels reach across again."""
+    caplog.set_level(logging.INFO, logger="asgi_cancel")
+    redis = RedisServer(tmp_path)
+    redis.start()
+    a = Node(redis.url, "a", wait=5.0, health_timeout=HEALTH)
+    b = Node(redis.url, "b", wait=5.0, health_timeout=HEALTH)
+    try:
+        a.wait_connected()
+        b.wait_connected()
+        with redis.frozen(at_most=FREEZE):
+            frozen_at = time.monotonic()
+            a.wait_connected(False)
+            b.wait_connected(False)
+            noticed = time.monotonic() - frozen_at
+            request = b.start_request("during-freeze")
+            b.wait_registered("during-freeze")
+            held, took = a.acancel("during-freeze")  # held by b, which Redis cannot reach
+            assert held is False
+            assert took < a.broker.wait / 2  # answered at once, not after `wait` (5 s)
+            unreachable = {"id": "elsewhere", "cancelled": False, "broker": "unreachable"}
+            assert a.endpoint_cancel("elsewhere") == (404, unreachable)
+            assert b.acancel("during-freeze")[0] is True  # local cancels work
+            assert request.result(WATCHDOG).status == 499
+            assert time.monotonic() - frozen_at < FREEZE  # all of the above while frozen
+        a.wait_connected()
+        b.wait_connected()
+        request = b.start_request("after-freeze")
+        b.wait_registered("after-freeze")
+        assert a.acancel("after-freeze")[0] is True  # across again
+        assert request.result(WATCHDOG).status == 499
+        assert a.endpoint_cancel("nobody") == (404, {"id": "nobody", "cancelled": False})
+    finally:
+        a.close()
+        b.close()
+        redis.stop()
+    assert noticed < HEALTH * 1.3 + 1.0  # the documented bound, and 1 s for a loaded machine
+    records = [r for r in caplog.records if r.name == "asgi_cancel"]
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings  # once per broker, not per reconnect attempt
+    assert all("unreachable (no answer in 1.5 s)" in message for message in warnings), warnings
+    assert sum("reachable again" in r.getMessage() for r in records) == 2
+    assert not [r for r in records if r.getMessage().startswith("asgi_cancel:")]
+
+
+def test_a_busy_redis_is_not_taken_as_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A script that keeps Redis busy for 2 x health_timeout: Redis answers the broker's pings
+    with BUSY (after its busy-reply threshold, 0.2 s here, 5 s by default), so it is busy, not
+    away: no warning, the brokers stay connected, and cancels reach across as before."""
+    caplog.set_level(logging.INFO, logger="asgi_cancel")
+    with running_redis(tmp_path, args=["--lua-time-limit", "200"]) as redis:
+        a, b = (
+            Node(redis.url, "a", health_timeout=HEALTH),
+            Node(redis.url, "b", health_timeout=HEALTH),
+        )
+        try:
+            a.wait_connected()
+            b.wait_connected()
+            busy_for = int(2 * HEALTH * 1_000_000)  # microseconds
+            script = (
+                "local t = redis.call('TIME') while true do local n = redis.call('TIME') "
+                f"if (n[1] - t[1]) * 1000000 + (n[2] - t[2]) > {busy_for} then return 1 end end"
+            )
+            with socket.create_connection(("127.0.0.1", redis.port), timeout=WATCHDOG) as sock:
+                sock.sendall(command(b"EVAL", script.encode(), b"0"))
+                sock.settimeout(0.05)
+                deadline = time.monotonic() + WATCHDOG
+                while True:  # until the script is done: the brokers stay connected throughout
+                    assert time.monotonic() < deadline, "the script never ended"
+                    assert a.broker.connected
+                    assert b.broker.connected
+                    try:
+                        assert sock.recv(64) == b":1\r\n"
+                        break
+                    except TimeoutError:
+                        pass
+            request = b.start_request("after-busy")
+            b.wait_registered("after-busy")
+            assert a.acancel("after-busy")[0] is True
+            assert request.result(WATCHDOG).status == 499
+        finally:
+            a.close()
+            b.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 class DelayingProxy:
@@ -307,6 +423,9 @@ def test_a_slow_redis_never_slows_a_request_that_is_not_cancelled(redis: RedisSe
         ({"wait": 0}, "wait"),
         ({"wait": True}, "wait"),
         ({"connect_timeout": 60}, "connect_timeout"),
+        ({"health_timeout": 0}, "health_timeout"),
+        ({"health_timeout": 60}, "health_timeout"),
+        ({"health_timeout": "10"}, "health_timeout"),
     ],
 )
 def test_a_bad_option_is_a_value_error_naming_it(options: dict[str, Any], named: str) -> None:
@@ -327,6 +446,6 @@ def test_one_registry_per_broker_no_credentials_shown_local_without_a_loop(
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
         broker.start_soon()  # no running loop: nothing to listen in
     assert [r.getMessage() for r in caplog.records] == [
-        "asgi_cancel: RedisBroker needs asyncio; cancels stay local here"
+        "RedisBroker needs asyncio; cancels stay local here"
     ]
     assert asyncio.run(broker.cancel_elsewhere("r1", "cancelled by id")) is False

@@ -43,7 +43,8 @@ The apps, each `tests.servers.apps:<name>`:
   a task of its own, which only the binding can stop); `gateway_middleware_only`: the
   middleware and a plain httpx client; `gateway_plain`: no asgi-cancel at all (the control).
 - `cluster`: one process of a deployment that cancels by id through Redis
-  (`$ASGI_CANCEL_REDIS_URL`): `/slow` under the middleware with that registry, the cancel
+  (`$ASGI_CANCEL_REDIS_URL`; its `health_timeout` from `$ASGI_CANCEL_REDIS_HEALTH`, 10 s
+  without it): `/slow` under the middleware with that registry, the cancel
   endpoint at `/v1/requests/{id}` (DELETE) answering with `x-worker-pid`, the rest bare.
 - `metrics`: Starlette routes with templates under the middleware with
   `asgi_cancel.prometheus.CancelMetrics`: `/items/{item_id:int}` (`/slow`),
@@ -464,7 +465,8 @@ def build_cluster() -> ASGIApp:
     from asgi_cancel.redis import RedisBroker
 
     url = os.environ["ASGI_CANCEL_REDIS_URL"]
-    registry = CancelRegistry(broker=RedisBroker(url, wait=2.0))
+    health = float(os.environ.get("ASGI_CANCEL_REDIS_HEALTH", "10"))  # the broker's health_timeout
+    registry = CancelRegistry(broker=RedisBroker(url, wait=2.0, health_timeout=health))
     endpoint = cancel_endpoint(registry, authorize=None)
     middleware = CancelOnDisconnectMiddleware(table, registry=registry)
 

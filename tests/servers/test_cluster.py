@@ -4,11 +4,13 @@
 standing in for two machines, each with the middleware, a registry and the broker. A cancel by
 id sent to any process's endpoint stops the right request, held by the process that answered
 or by another: its client gets the 499, the others are untouched. An unknown id answers 404
-within the bounded wait. The close-to-cancel latency across processes is printed.
+within the bounded wait. A frozen Redis (SIGSTOP) is logged once by each process and cancels
+are answered at once meanwhile. The close-to-cancel latency across processes is printed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -90,6 +92,15 @@ def cancel(server: Server, request_id: str) -> tuple[int, str, float]:
         send_request(sock, "DELETE", f"/v1/requests/{request_id}")
         response = read_response(sock)
     return response.status, response.headers["x-worker-pid"], time.perf_counter() - started
+
+
+def cancel_answer(server: Server, request_id: str) -> tuple[int, object, float]:
+    """DELETE /requests/{id}: (status, the JSON answer, seconds)."""
+    started = time.perf_counter()
+    with connect(server.port, timeout=WATCHDOG) as sock:
+        send_request(sock, "DELETE", f"/requests/{request_id}")
+        response = read_response(sock)
+    return response.status, json.loads(response.body), time.perf_counter() - started
 
 
 def test_requests_spread_and_a_cancel_through_any_worker_stops_the_right_one(
@@ -214,3 +225,67 @@ def test_a_worker_stays_serving_while_redis_is_away(
             again.close()
         assert time.monotonic() < deadline, "cancels never reached across after the restart"
         time.sleep(0.2)
+
+
+FROZEN_HEALTH = 1.5  # the servers' health_timeout in the freeze test: noticed within 2 s
+FREEZE = 8.0  # Redis is resumed after this at the latest, whatever the test does
+
+
+def test_a_frozen_redis_is_logged_once_and_cancels_are_answered_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis stopped with SIGSTOP, as a black-holed network path behaves (the connections stay
+    open and silent), between two servers: each logs it once, within 1.3 x health_timeout; a
+    cancel of a request the other server holds is answered at once, 404 with `"broker":
+    "unreachable"`, not after the broker's `wait` (2 s); requests are served and a cancel
+    through the holder works. Resumed, cancels reach across again."""
+    (tmp_path / "redis").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with running_redis(tmp_path / "redis") as redis:
+        monkeypatch.setenv("ASGI_CANCEL_REDIS_URL", redis.url)
+        monkeypatch.setenv("ASGI_CANCEL_REDIS_HEALTH", str(FROZEN_HEALTH))
+        with (
+            running_server(ONE, TARGET, tmp_path / "a") as a,
+            running_server(ONE, TARGET, tmp_path / "b") as b,
+        ):
+            wait_across(a, via=b)  # both brokers connected
+            with redis.frozen(at_most=FREEZE):
+                frozen_at = time.monotonic()
+                while not all("unreachable" in server.log() for server in (a, b)):
+                    assert time.monotonic() < frozen_at + WATCHDOG, "the freeze went unnoticed"
+                    time.sleep(0.05)
+                noticed = time.monotonic() - frozen_at
+                on_a = Held(a)
+                try:
+                    status, answer, took = cancel_answer(b, on_a.id)
+                    assert status == 404
+                    assert answer == {"id": on_a.id, "cancelled": False, "broker": "unreachable"}
+                    assert took < 1.0  # at once: not after the broker's wait (2 s)
+                    assert get(b.port, "/hello", timeout=2.0).body == b"hello"
+                    assert cancel_answer(a, on_a.id)[0] == 200  # the holder itself: local
+                    assert on_a.status() == 499
+                finally:
+                    on_a.close()
+                assert time.monotonic() - frozen_at < FREEZE  # all of the above while frozen
+            wait_across(a, via=b)
+            for server in (a, b):
+                assert server.log().count("unreachable") == 1, server.log()[-4000:]
+                assert "asgi_cancel: asgi_cancel:" not in server.log()
+                server.assert_no_traceback()
+    assert noticed < FROZEN_HEALTH * 1.3 + 1.0  # the documented bound, 1 s for a loaded machine
+
+
+def wait_across(holder: Server, *, via: Server) -> None:
+    """Until a cancel sent to `via` stops a request `holder` holds (both brokers connected)."""
+    deadline = time.monotonic() + WATCHDOG
+    while True:
+        held = Held(holder)
+        try:
+            if cancel(via, held.id)[0] == 200:
+                assert held.status() == 499
+                return
+        finally:
+            held.close()
+        assert time.monotonic() < deadline, "cancels never reached across"
+        time.sleep(0.1)
