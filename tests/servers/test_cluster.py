@@ -95,10 +95,10 @@ def cancel(server: Server, request_id: str) -> tuple[int, str, float]:
 
 
 def cancel_answer(server: Server, request_id: str) -> tuple[int, object, float]:
-    """DELETE /requests/{id}: (status, the JSON answer, seconds)."""
+    """DELETE /v1/requests/{id}: (status, the JSON answer, seconds)."""
     started = time.perf_counter()
     with connect(server.port, timeout=WATCHDOG) as sock:
-        send_request(sock, "DELETE", f"/requests/{request_id}")
+        send_request(sock, "DELETE", f"/v1/requests/{request_id}")
         response = read_response(sock)
     return response.status, json.loads(response.body), time.perf_counter() - started
 
