@@ -361,3 +361,34 @@ def test_generate_in_thread_checks_its_options() -> None:
     with pytest.raises(ValueError, match="streamer="):
         list(generation)
     assert generation.result(WATCHDOG) == 1
+
+
+def test_stop_ends_the_reader_and_the_generation() -> None:
+    model = FakeModel(first_token_delay=0.2)
+    generation = generate_in_thread(
+        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=5000
+    )
+    threading.Timer(0.05, generation.stop).start()
+    assert list(generation) == []
+    assert model.ended.wait(WATCHDOG)
+    assert len(model.made) == 1
+    assert generation.stopped
+
+
+def test_shielded_stream_reads_on_to_the_end() -> None:
+    model = FakeModel(step=0.001)
+    texts: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        with shield():
+            streamer = FakeStreamer()
+            generation = generate_in_thread(model.generate, streamer=streamer, max_new_tokens=150)
+            texts.extend(await asyncio.to_thread(list, generation))
+        await respond(send)
+
+    async def main() -> None:
+        await leave(CancelOnDisconnectMiddleware(app), when=lambda: len(model.made) >= 10)
+
+    asyncio.run(main())
+    assert len(texts) == 150
