@@ -49,8 +49,9 @@ class CancelCriteria:
     them: every sequence of a batch, every beam, padding included. For an encoder-decoder model
     the prompt is the decoder's start.
 
-    Made outside a request (no token), it warns (`RuntimeWarning`) and never stops anything:
-    the same code still runs in a script.
+    Make one per `generate()` call (it counts from that call's first token). Made outside a
+    request (no token), it warns (`RuntimeWarning`) and never stops anything: the same code
+    still runs in a script.
 
     Args:
         token: the request's token; by default `current_token()` of the context it is made in.
@@ -240,9 +241,13 @@ class Generation(Generic[_ResultT]):
 
     def _raise_error(self) -> None:
         error = self._error
-        if error is not None and not self.criteria.should_stop:
-            self._error = None
+        if error is None:
+            return
+        self._error = None
+        if not self.criteria.should_stop:
             raise error
+        # Nobody waits for the outcome of a stopped generation; its error still shows.
+        logger.warning("asgi_cancel: a stopped generate() raised", exc_info=error)
 
 
 def generate_in_thread(

@@ -392,3 +392,17 @@ def test_shielded_stream_reads_on_to_the_end() -> None:
 
     asyncio.run(main())
     assert len(texts) == 150
+
+
+def test_error_of_a_stopped_generation_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = FakeModel(first_token_delay=0.1)
+    token, fire = fired_token()
+    fire()
+    generation = generate_in_thread(
+        model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=9, fail_at=1
+    )
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        assert list(generation) == []
+    assert "a stopped generate() raised" in caplog.text
