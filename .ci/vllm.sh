@@ -88,8 +88,10 @@ fi
 timeout 600 "$PY" -m pip install -q --no-deps -e "$ROOT"
 # redis: tests/vllm/test_api_servers.py's API servers cancel by id through asgi_cancel.redis (a
 # redis-server of its own, tests/redis_server.py; .ci/run installs the binary).
+# accelerate: `transformers serve` (transformers' serving extra) loads no model without it; for
+# benchmarks/threads.py's serve rows.
 timeout 600 "$PY" -m pip install -q "pytest>=8.2" "pytest-timeout>=2.3" "httpx>=0.27" "anyio>=4.4" \
-    "redis>=5.0.1"
+    "redis>=5.0.1" "accelerate>=1.1.0"
 took "install"
 
 export VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -103,6 +105,8 @@ took "model"
 
 step "tests"
 tests=(tests/vllm tests/test_vllm_adapter.py)
+# transformers' generate() in worker threads (torch and transformers come with vLLM), ~15 s.
+tests+=(tests/threads/test_transformers.py)
 # The example app's real-vLLM test runs only here too (its own engine, after ours).
 [ -f example_app/tests/test_vllm_engine.py ] && tests+=(example_app/tests/test_vllm_engine.py)
 report="$(mktemp "${TMPDIR:-/tmp}/asgi-cancel-vllm-report.XXXXXX.json")"

@@ -23,6 +23,8 @@ OPTIONAL = (
     "prometheus_client",
     "redis",
     "starlette",
+    "torch",
+    "transformers",
     "trio",
     "vllm",
 )
@@ -93,11 +95,12 @@ def test_optional_module_without_its_dependency_names_its_extra(
 def test_modules_that_need_no_extra_import_and_pull_no_optional_dependency(
     hidden: tuple[str, ...],
 ) -> None:
-    # asgi_cancel.vllm takes any engine with generate() and abort(): vLLM is needed at use only.
+    # asgi_cancel.vllm takes any engine with generate() and abort(), asgi_cancel.transformers
+    # any generate() with stopping criteria: vLLM, transformers and torch are needed at use only.
     body = (
         "import sys, asgi_cancel\n"
         "assert 'asgi_cancel.vllm' not in sys.modules\n"
-        "import asgi_cancel.types, asgi_cancel.vllm\n"
+        "import asgi_cancel.types, asgi_cancel.vllm, asgi_cancel.transformers\n"
         f"print(sorted({{name.partition('.')[0] for name in sys.modules}} & set({OPTIONAL!r})))"
     )
     assert run_hidden(hidden, body) == "[]"

@@ -1,0 +1,297 @@
+"""Stop a transformers `generate()` running in a worker thread when the request stops.
+
+Cancelling a request's asyncio task cannot stop a thread: a `model.generate()` started in a
+`threading.Thread`, a threadpool endpoint, `run_in_executor` or `asyncio.to_thread` runs to
+`max_new_tokens` for a client that left. The request's token can stop it: `CancelCriteria` is a
+transformers stopping criterion that ends the generation at its next token once the request
+should stop, and `generate_in_thread` is the `TextIteratorStreamer` pattern with that criterion
+built in, a reader that ends with the request, and a bounded join.
+
+Nothing here imports transformers or torch: `CancelCriteria` is a stopping criterion by its
+call signature (transformers never checks the class), and the tensors it is given make the one
+it returns. The `transformers` extra installs what the generation itself needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from time import monotonic
+from typing import Any, Generic, Protocol, TypeVar
+
+from ._token import CancelToken, find_token
+
+__all__ = ["CancelCriteria", "Generation", "TextQueueStreamer", "generate_in_thread"]
+
+logger = logging.getLogger("asgi_cancel")
+
+_ResultT = TypeVar("_ResultT")
+
+
+class CancelCriteria:
+    """A transformers stopping criterion that stops `generate()` when the request should stop.
+
+    Make it in the request's context (the endpoint, or anything the request's task or its
+    threadpool call runs), then hand it to the thread that generates, in
+    `stopping_criteria=StoppingCriteriaList([CancelCriteria()])`: a `threading.Thread` and
+    `run_in_executor` do not carry the request's context variables, so `current_token()` is
+    not there. `generate()` calls it after every new token; once the request's token says the
+    work should stop (`token.should_stop`: the client left, and the request is neither inside
+    `shield()` nor detached), it returns True for every sequence and the generation ends with
+    that token: at most one token (the one being computed) after the cancellation.
+
+    It also counts what the generation costs into the token (`token.usage`: prompt tokens,
+    completion tokens, and those generated after the cancellation began), which the cancel log
+    line and `CancelMetrics` report. It counts rows times positions, as the engine computes
+    them: every sequence of a batch, every beam, padding included. For an encoder-decoder model
+    the prompt is the decoder's start.
+
+    Make one per `generate()` call (it counts from that call's first token). Made outside a
+    request (no token), it warns (`RuntimeWarning`) and never stops anything: the same code
+    still runs in a script.
+
+    Args:
+        token: the request's token; by default `current_token()` of the context it is made in.
+    """
+
+    def __init__(self, token: CancelToken | None = None) -> None:
+        if token is not None and not isinstance(token, CancelToken):
+            raise ValueError(f"token must be a CancelToken or None, got {token!r}")
+        self.token = token if token is not None else find_token()
+        #: Whether this criterion stopped a generation (the request should stop). A generation
+        #: that ended by itself (`max_new_tokens`, EOS) before that is never marked.
+        self.stopped = False
+        #: When it stopped one (`time.monotonic()`), or None.
+        self.stopped_at: float | None = None
+        self._asked_to_stop = False
+        self._length: int | None = None  # positions seen at the previous call
+        if self.token is None:
+            warnings.warn(
+                "CancelCriteria() was made outside a request handled by "
+                "CancelOnDisconnectMiddleware (in a threading.Thread or run_in_executor? make it "
+                "in the endpoint and hand it to the thread): it never stops the generation",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            self.token.add_usage()  # the record exists before the thread counts into it
+
+    def stop(self) -> None:
+        """Stop the generation at its next token, whatever the request does."""
+        self._asked_to_stop = True
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether the generation should stop now (the request should, or `stop()` was called)."""
+        token = self.token
+        return self._asked_to_stop or (token is not None and token.should_stop)
+
+    def __call__(self, input_ids: Any, scores: Any = None, **kwargs: Any) -> Any:
+        rows, length = input_ids.shape[0], input_ids.shape[-1]
+        token = self.token
+        if token is not None:
+            if self._length is None:  # the first call: the prompt and the first new token
+                token.add_usage(prompt_tokens=rows * (length - 1), completion_tokens=rows)
+            elif length > self._length:
+                token.add_usage(completion_tokens=rows * (length - self._length))
+        self._length = length
+        stop = self.should_stop
+        if stop and not self.stopped:
+            self.stopped = True
+            self.stopped_at = monotonic()
+        # A bool per row, on the ids' device: what `StoppingCriteriaList` ORs together.
+        return input_ids.new_full((rows,), int(stop)).bool()
+
+
+class TextQueueStreamer(Protocol):
+    """What `generate_in_thread` reads of a streamer: transformers' `TextIteratorStreamer`."""
+
+    text_queue: queue.Queue[Any]
+    stop_signal: object
+
+    def put(self, value: Any) -> None:
+        """Take the next tokens (called by `generate()`)."""
+
+    def end(self) -> None:
+        """Flush the last text and put `stop_signal` (called by `generate()` when it ends)."""
+
+
+_CANCELLED = object()  # put in the streamer's queue when the request should stop
+_ENDED = object()  # put there when the thread's `generate()` returned or raised
+
+
+class Generation(Generic[_ResultT]):
+    """One `generate()` running in a thread of its own, bound to the request's token.
+
+    Made by `generate_in_thread`. Iterate it (in a sync endpoint, a `StreamingResponse`, any
+    worker thread) for the streamer's text; the iteration ends when the generation ends, when
+    the request should stop (at the disconnect itself, without waiting for a token), or with
+    the generation's exception. Either way it then waits for the thread at most `join_timeout`
+    seconds: a generation that ignores the token is logged and left behind, never waited on
+    without a bound.
+    """
+
+    def __init__(
+        self,
+        generate: Callable[..., _ResultT],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        criteria: CancelCriteria,
+        join_timeout: float,
+    ) -> None:
+        self.criteria = criteria
+        self.join_timeout = join_timeout
+        self.streamer: TextQueueStreamer | None = kwargs.get("streamer")
+        #: Whether the thread was still running after the bounded join (it ignored the token).
+        self.left_running = False
+        self._result: _ResultT | None = None
+        self._error: BaseException | None = None
+        self._unregister: Callable[[], None] | None = None
+        self.thread = threading.Thread(
+            target=self._run,
+            args=(generate, args, kwargs),
+            name="asgi-cancel-generate",
+            daemon=True,
+        )
+        token = criteria.token
+        if token is not None and self.streamer is not None:
+            self._unregister = token.on_cancel(self._wake_reader)
+            if token.cancelled:  # fired while registering from a worker thread: wake it here
+                self._wake_reader()
+
+    def _run(self, generate: Callable[..., _ResultT], args: tuple[Any, ...], kwargs: Any) -> None:
+        try:
+            self._result = generate(*args, **kwargs)
+        except BaseException as exc:  # handed to whoever reads or joins
+            self._error = exc
+        finally:
+            if self.streamer is not None:
+                self.streamer.text_queue.put(_ENDED)  # the reader wakes even if `end()` never ran
+
+    def _wake_reader(self) -> None:
+        # In the event loop, at the disconnect: a reader blocked on the queue wakes now; one in
+        # a shield reads on (the generation too) and ends when the generation does.
+        if self.criteria.should_stop and self.streamer is not None:
+            self.streamer.text_queue.put(_CANCELLED)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the request's cancellation (or `stop()`) stopped the generation."""
+        return self.criteria.stopped
+
+    def stop(self) -> None:
+        """Stop the generation at its next token (the reader stops at once)."""
+        self.criteria.stop()
+        if self.streamer is not None:
+            self.streamer.text_queue.put(_CANCELLED)
+
+    def __iter__(self) -> Iterator[str]:
+        streamer = self.streamer
+        if streamer is None:
+            raise ValueError("iterating a Generation needs streamer= (a TextIteratorStreamer)")
+        text_queue, stop_signal = streamer.text_queue, streamer.stop_signal
+        try:
+            while True:
+                item = text_queue.get()
+                if item is _CANCELLED:
+                    if self.criteria.should_stop:
+                        break
+                    continue  # a cancellation seen inside shield(): read on
+                if item is _ENDED:
+                    break
+                if item is not stop_signal:  # after `end()`'s stop signal, the thread's end
+                    yield item
+        finally:
+            if self.thread.is_alive() and not self.criteria.should_stop:
+                # The reader left early (closed): nobody reads what the thread would generate.
+                self.criteria.stop()
+            self.result(self.join_timeout, raising=False)
+        self._raise_error()
+
+    def result(self, timeout: float | None = None, *, raising: bool = True) -> _ResultT | None:
+        """Wait for the thread at most `timeout` seconds (None: until it ends); return what
+        `generate()` returned (None if it is still running, or was stopped by an error), or
+        raise its exception.
+
+        Args:
+            timeout: seconds to wait at most, or None.
+            raising: re-raise the generation's exception (False: return None instead).
+        """
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            if not self.left_running:
+                self.left_running = True
+                logger.warning(
+                    "asgi_cancel: a generate() thread still runs %.1fs after its request %s "
+                    "(it does not check CancelCriteria?); left running",
+                    timeout or 0.0,
+                    "stopped" if self.criteria.should_stop else "ended",
+                )
+            return None
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
+        if raising:
+            self._raise_error()
+        return self._result
+
+    def _raise_error(self) -> None:
+        error = self._error
+        if error is None:
+            return
+        self._error = None
+        if not self.criteria.should_stop:
+            raise error
+        # Nobody waits for the outcome of a stopped generation; its error still shows.
+        logger.warning("asgi_cancel: a stopped generate() raised", exc_info=error)
+
+
+def generate_in_thread(
+    generate: Callable[..., _ResultT],
+    /,
+    *args: Any,
+    token: CancelToken | None = None,
+    join_timeout: float = 5.0,
+    **kwargs: Any,
+) -> Generation[_ResultT]:
+    """Start `generate(*args, **kwargs)` in a thread, stopped by the request's token.
+
+    The `TextIteratorStreamer` pattern, made safe: pass the streamer as `streamer=` and iterate
+    the returned `Generation` instead of the streamer. A `CancelCriteria` made here, in the
+    request's context, is added to `stopping_criteria`, so the generation stops within one
+    token once the request should stop; the reading loop ends at once, and a generation that
+    raises ends it with the exception (a bare streamer would wait for text forever).
+
+    ```python
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    generation = generate_in_thread(model.generate, **inputs, streamer=streamer, max_new_tokens=400)
+    return StreamingResponse(generation, media_type="text/plain")
+    ```
+
+    Args:
+        generate: `model.generate`, or any callable that takes `stopping_criteria=`.
+        *args: passed on to `generate`.
+        token: the request's token; by default `current_token()` of the caller's context.
+        join_timeout: seconds the reader waits for the thread once reading ends.
+        **kwargs: passed on to `generate` (`streamer=`, `max_new_tokens=`, ...); a
+            `stopping_criteria` list given here is extended, not replaced.
+
+    Returns:
+        The started `Generation`.
+
+    Raises:
+        ValueError: `join_timeout` is negative.
+    """
+    if join_timeout < 0:
+        raise ValueError(f"join_timeout must be >= 0, got {join_timeout!r}")
+    criteria = CancelCriteria(token)
+    given = kwargs.get("stopping_criteria")
+    # A `StoppingCriteriaList` stays one (a copy: the caller's list is left as it was).
+    kwargs["stopping_criteria"] = [criteria] if given is None else type(given)([*given, criteria])
+    generation = Generation(generate, args, kwargs, criteria=criteria, join_timeout=join_timeout)
+    generation.thread.start()
+    return generation

@@ -1,0 +1,408 @@
+"""`asgi_cancel.transformers` against a fake `generate()`: fast checks of its contract.
+
+The fake calls its stopping criteria after every token and feeds a streamer, as transformers'
+`generate()` does, with fake tensors (no torch here). The real-model, real-server proof is in
+tests/threads/test_transformers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, detach, shield
+from asgi_cancel.testing import ClientConnection
+from asgi_cancel.transformers import CancelCriteria, generate_in_thread
+from asgi_cancel.types import Receive, Scope, Send
+
+from .helpers import leave, read_body, respond
+
+WATCHDOG = 5.0
+
+
+class FakeBools(list[bool]):
+    def bool(self) -> FakeBools:
+        return self
+
+
+class FakeIds:
+    """What a stopping criterion reads of `input_ids`: the shape and `new_full`."""
+
+    def __init__(self, rows: int, length: int) -> None:
+        self.shape = (rows, length)
+
+    def new_full(self, size: tuple[int], fill_value: int) -> FakeBools:
+        return FakeBools([bool(fill_value)] * size[0])
+
+
+class FakeStreamer:
+    """`TextIteratorStreamer`'s queue protocol."""
+
+    def __init__(self) -> None:
+        self.text_queue: queue.Queue[Any] = queue.Queue()
+        self.stop_signal: object = None
+        self.puts = 0
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        self.text_queue.put(f"t{value} ")
+
+    def end(self) -> None:
+        self.text_queue.put(self.stop_signal)
+
+
+class FakeModel:
+    """`generate()`: one token per `step` seconds, stopping criteria after each, as
+    transformers does; records when each token was made (the engine's side)."""
+
+    def __init__(self, *, step: float = 0.002, prompt: int = 5, first_token_delay: float = 0.0):
+        self.step = step
+        self.prompt = prompt
+        self.first_token_delay = first_token_delay
+        self.made: list[float] = []
+        self.ended = threading.Event()
+
+    def generate(
+        self,
+        *,
+        max_new_tokens: int,
+        stopping_criteria: list[Callable[..., Any]] = (),  # type: ignore[assignment]
+        streamer: FakeStreamer | None = None,
+        rows: int = 1,
+        ignore_criteria: bool = False,
+        fail_at: int | None = None,
+    ) -> int:
+        try:
+            time.sleep(self.first_token_delay)
+            for made in range(1, max_new_tokens + 1):
+                time.sleep(self.step)
+                if made == fail_at:
+                    raise RuntimeError("the model broke")
+                self.made.append(time.monotonic())
+                if streamer is not None:
+                    streamer.put(made)
+                ids = FakeIds(rows, self.prompt + made)
+                done = [criterion(ids, None) for criterion in stopping_criteria]
+                if (
+                    not ignore_criteria
+                    and done
+                    and all(any(row) for row in zip(*done, strict=True))
+                ):
+                    break
+            if streamer is not None:
+                streamer.end()
+            return len(self.made)
+        finally:
+            self.ended.set()
+
+    def made_after(self, moment: float) -> int:
+        return sum(1 for at in self.made if at > moment)
+
+
+def fired_token() -> tuple[CancelToken, Callable[[], float]]:
+    token = CancelToken()
+
+    def fire() -> float:
+        at = time.monotonic()
+        token.fire("client disconnected")
+        return at
+
+    return token, fire
+
+
+def test_criteria_stops_within_one_token_of_the_cancellation() -> None:
+    model = FakeModel()
+    token, fire = fired_token()
+    criteria = CancelCriteria(token)
+    thread = threading.Thread(
+        target=model.generate, kwargs={"max_new_tokens": 5000, "stopping_criteria": [criteria]}
+    )
+    thread.start()
+    deadline = time.monotonic() + WATCHDOG
+    while len(model.made) < 20 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    fired_at = fire()
+    thread.join(WATCHDOG)
+    assert not thread.is_alive()
+    assert model.made_after(fired_at) <= 1
+    assert criteria.stopped
+    assert criteria.stopped_at is not None
+    usage = token.usage
+    assert usage is not None
+    assert usage.prompt_tokens == 5
+    assert usage.completion_tokens == len(model.made)
+    assert usage.after_cancel <= 1
+
+
+def test_without_the_criteria_generation_runs_to_max_new_tokens() -> None:
+    # The control: a cancelled token alone stops nothing.
+    model = FakeModel(step=0.0005)
+    token, fire = fired_token()
+    fire()
+    assert model.generate(max_new_tokens=300) == 300
+    assert token.usage is None
+
+
+def test_criteria_counts_every_row_and_stops_them_all() -> None:
+    model = FakeModel()
+    token, fire = fired_token()
+    criteria = CancelCriteria(token)
+    fire()
+    model.generate(max_new_tokens=100, stopping_criteria=[criteria], rows=3)
+    assert len(model.made) == 1
+    assert token.usage is not None
+    assert (token.usage.prompt_tokens, token.usage.completion_tokens) == (15, 3)
+
+
+def test_finished_generation_is_never_marked_stopped() -> None:
+    model = FakeModel(step=0)
+    token, fire = fired_token()
+    criteria = CancelCriteria(token)
+    model.generate(max_new_tokens=10, stopping_criteria=[criteria])
+    fire()
+    assert not criteria.stopped
+    assert token.usage is not None
+    assert (token.usage.completion_tokens, token.usage.after_cancel) == (10, 0)
+
+
+def test_criteria_outside_a_request_warns_and_never_stops() -> None:
+    with pytest.warns(RuntimeWarning, match="outside a request"):
+        criteria = CancelCriteria()
+    model = FakeModel(step=0)
+    assert model.generate(max_new_tokens=50, stopping_criteria=[criteria]) == 50
+    assert not criteria.stopped
+
+
+def test_criteria_made_in_a_plain_thread_has_no_token() -> None:
+    # threading.Thread does not carry the request's context: why the token is taken before.
+    made: list[CancelCriteria] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        inside = CancelCriteria()
+        warned: list[warnings.WarningMessage] = []
+
+        def in_thread() -> None:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                made.append(CancelCriteria())
+            warned.extend(caught)
+
+        thread = threading.Thread(target=in_thread)
+        thread.start()
+        thread.join(WATCHDOG)
+        assert [w.category for w in warned] == [RuntimeWarning]
+        made.append(inside)
+        await respond(send)
+
+    asyncio.run(ClientConnection().run(CancelOnDisconnectMiddleware(app)))
+    in_thread, inside = made
+    assert in_thread.token is None
+    assert inside.token is not None
+
+
+def test_criteria_rejects_what_is_not_a_token() -> None:
+    with pytest.raises(ValueError, match="token must be a CancelToken"):
+        CancelCriteria("token")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("keep", ["shield", "detach"])
+def test_shielded_or_detached_generation_runs_to_the_end(keep: str) -> None:
+    model = FakeModel(step=0.001)
+    seen: list[CancelCriteria] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        with shield() if keep == "shield" else detach():
+            criteria = CancelCriteria()
+            seen.append(criteria)
+            await asyncio.to_thread(
+                model.generate, max_new_tokens=150, stopping_criteria=[criteria]
+            )
+        await respond(send)
+
+    async def main() -> None:
+        await leave(CancelOnDisconnectMiddleware(app), when=lambda: len(model.made) >= 10)
+
+    asyncio.run(main())
+    assert len(model.made) == 150
+    assert not seen[0].stopped
+
+
+def test_stream_ends_at_the_disconnect_and_the_thread_within_one_token() -> None:
+    model = FakeModel()
+    token, fire = fired_token()
+    streamer = FakeStreamer()
+    generation = generate_in_thread(
+        model.generate, token=token, streamer=streamer, max_new_tokens=5000
+    )
+    texts = []
+    fired_at = 0.0
+    for text in generation:
+        texts.append(text)
+        if len(texts) == 20:
+            fired_at = fire()
+    assert not generation.thread.is_alive()
+    assert generation.stopped
+    assert not generation.left_running
+    assert model.made_after(fired_at) <= 1
+    assert len(texts) <= 22
+    assert token.usage is not None
+    assert token.usage.after_cancel <= 1
+
+
+def test_stream_reader_ends_at_the_disconnect_before_any_token() -> None:
+    # A long prefill: no token comes, and the reader still ends at the disconnect.
+    model = FakeModel(first_token_delay=0.5)
+    token, fire = fired_token()
+    generation = generate_in_thread(
+        model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=5000, join_timeout=0
+    )
+    threading.Timer(0.05, fire).start()
+    started = time.monotonic()
+    assert list(generation) == []
+    assert time.monotonic() - started < 0.45
+    assert model.ended.wait(WATCHDOG)
+    assert len(model.made) == 1  # the first token, then the criteria stopped it
+
+
+def test_stream_without_cancellation_reads_everything() -> None:
+    model = FakeModel(step=0)
+    streamer = FakeStreamer()
+    generation = generate_in_thread(
+        model.generate, token=CancelToken(), streamer=streamer, max_new_tokens=40
+    )
+    assert len(list(generation)) == 40
+    assert generation.result(WATCHDOG) == 40
+    assert not generation.stopped
+
+
+def test_thread_that_ignores_the_token_is_logged_not_waited_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = FakeModel()
+    token, fire = fired_token()
+    generation = generate_in_thread(
+        model.generate,
+        token=token,
+        streamer=FakeStreamer(),
+        max_new_tokens=400,
+        ignore_criteria=True,
+        join_timeout=0.1,
+    )
+    threading.Timer(0.05, fire).start()
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        started = time.monotonic()
+        list(generation)
+        waited = time.monotonic() - started
+    assert waited < 0.6  # the 400 tokens take ~0.8 s or more
+    assert generation.left_running
+    assert "still runs" in caplog.text
+    assert model.ended.wait(WATCHDOG)  # left to finish by itself
+
+
+def test_generation_error_ends_the_stream_with_it() -> None:
+    model = FakeModel(step=0)
+    generation = generate_in_thread(
+        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=50, fail_at=5
+    )
+    with pytest.raises(RuntimeError, match="the model broke"):
+        list(generation)
+    with pytest.raises(RuntimeError, match="the model broke"):
+        generate_in_thread(model.generate, token=CancelToken(), max_new_tokens=9, fail_at=2).result(
+            WATCHDOG
+        )
+
+
+def test_reader_that_leaves_early_stops_the_generation() -> None:
+    model = FakeModel()
+    generation = generate_in_thread(
+        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=5000
+    )
+    for count, _ in enumerate(generation, 1):
+        if count == 5:
+            break
+    assert model.ended.wait(WATCHDOG)
+    assert len(model.made) < 50
+    assert generation.stopped
+
+
+def test_stopping_criteria_given_are_kept_and_not_changed() -> None:
+    model = FakeModel(step=0)
+    calls: list[int] = []
+
+    def counting(input_ids: FakeIds, scores: object) -> FakeBools:
+        calls.append(input_ids.shape[1])
+        return input_ids.new_full((1,), 0)
+
+    given = [counting]
+    generation = generate_in_thread(
+        model.generate, token=CancelToken(), max_new_tokens=7, stopping_criteria=given
+    )
+    assert generation.result(WATCHDOG) == 7
+    assert given == [counting]
+    assert len(calls) == 7
+
+
+def test_generate_in_thread_checks_its_options() -> None:
+    with pytest.raises(ValueError, match="join_timeout"):
+        generate_in_thread(FakeModel().generate, token=CancelToken(), join_timeout=-1)
+    generation = generate_in_thread(
+        FakeModel(step=0).generate, token=CancelToken(), max_new_tokens=1
+    )
+    with pytest.raises(ValueError, match="streamer="):
+        list(generation)
+    assert generation.result(WATCHDOG) == 1
+
+
+def test_stop_ends_the_reader_and_the_generation() -> None:
+    model = FakeModel(first_token_delay=0.2)
+    generation = generate_in_thread(
+        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=5000
+    )
+    threading.Timer(0.05, generation.stop).start()
+    assert list(generation) == []
+    assert model.ended.wait(WATCHDOG)
+    assert len(model.made) == 1
+    assert generation.stopped
+
+
+def test_shielded_stream_reads_on_to_the_end() -> None:
+    model = FakeModel(step=0.001)
+    texts: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        with shield():
+            streamer = FakeStreamer()
+            generation = generate_in_thread(model.generate, streamer=streamer, max_new_tokens=150)
+            texts.extend(await asyncio.to_thread(list, generation))
+        await respond(send)
+
+    async def main() -> None:
+        await leave(CancelOnDisconnectMiddleware(app), when=lambda: len(model.made) >= 10)
+
+    asyncio.run(main())
+    assert len(texts) == 150
+
+
+def test_error_of_a_stopped_generation_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = FakeModel(first_token_delay=0.1)
+    token, fire = fired_token()
+    fire()
+    generation = generate_in_thread(
+        model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=9, fail_at=1
+    )
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        assert list(generation) == []
+    assert "a stopped generate() raised" in caplog.text

@@ -1,0 +1,120 @@
+"""Real transformers `generate()` in worker threads, under uvicorn, with a client that leaves.
+
+A tiny random-weight Llama (example_app/tiny_model.py), one generation at a time. For each
+threading pattern (tests/threads/_app.py): without the middleware and the adapter, the
+generation runs to `max_new_tokens` for a client that left; with them, it stops within a few
+tokens of the close, counted from the engine's side (its stopping-criteria calls), and the
+request's `TokenUsage` says what it cost. Skipped where torch or transformers is missing (the
+main venv); under .ci/vllm.sh (`ASGI_CANCEL_REQUIRE_VLLM=1`) that is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _require(module: str) -> Any:
+    if os.environ.get("ASGI_CANCEL_REQUIRE_VLLM") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(
+        module, reason=f"{module} is not installed (.ci/vllm.sh's venv has it)"
+    )
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # torch and transformers warn on import; not ours to fix
+    torch = _require("torch")
+    _require("transformers")
+    from asgi_cancel import CancelToken
+    from asgi_cancel.transformers import CancelCriteria
+
+    from ..vllm._harness import tiny_model, wait_for
+    from ._app import ROUTES, Engine, Server
+    from ._measure import LEAVE_AFTER, depart
+
+pytestmark = [pytest.mark.vllm, pytest.mark.servers, pytest.mark.timeout(300)]
+
+MAX_NEW_TOKENS = 300  # about 1-3 s on this model; the control runs it all
+# The token being computed at the close, and one more when the disconnect reaches the loop a
+# step later on a loaded machine; a leak makes the hundreds the control shows.
+MAX_TOKENS_AFTER_CLOSE = 4
+MEASURED: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    torch.set_num_threads(1)  # one core for the generation, one for the loop and the client
+    with Server(Engine(tiny_model())) as running:
+        yield running
+    report = os.environ.get("ASGI_CANCEL_VLLM_REPORT")
+    if report:
+        path = Path(report)
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        previous["threads"] = MEASURED
+        path.write_text(json.dumps(previous, indent=2))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_without_the_adapter_generation_runs_to_max_new_tokens(server: Server, route: str) -> None:
+    measured = depart(server, "bare", route, max_new_tokens=MAX_NEW_TOKENS)
+    del measured["request_id"]
+    MEASURED[f"bare {route}"] = measured
+    assert measured["tokens"] == MAX_NEW_TOKENS, measured
+    assert measured["tokens_after_close"] >= MAX_NEW_TOKENS - LEAVE_AFTER - 10, measured
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_with_the_adapter_generation_stops_within_a_few_tokens(server: Server, route: str) -> None:
+    measured = depart(server, "mw", route, max_new_tokens=MAX_NEW_TOKENS)
+    request_id = measured.pop("request_id")
+    MEASURED[f"mw {route}"] = measured
+    assert measured["tokens_after_close"] <= MAX_TOKENS_AFTER_CLOSE, measured
+    if route.startswith("stream"):
+        assert measured["streamer_puts"] <= measured["tokens"] + 1  # the prompt's put
+    wait_for(lambda: request_id in server.engine.usage, 10, "the request's usage")
+    prompt, completion, after_cancel = server.engine.usage[request_id]
+    assert prompt == measured["prompt_tokens"]
+    # Read once the request was over: a to_thread/executor request ends at its cancellation,
+    # and its thread may count its last token after that.
+    assert LEAVE_AFTER <= completion <= measured["tokens"]
+    assert after_cancel <= MAX_TOKENS_AFTER_CLOSE
+
+
+@pytest.mark.parametrize("mode", ["bare", "mw"])
+def test_next_request_waits_for_a_departed_one_only_with_no_adapter(
+    server: Server, mode: str
+) -> None:
+    measured = depart(server, mode, "stream-thread", max_new_tokens=MAX_NEW_TOKENS, next_tokens=10)
+    del measured["request_id"]
+    MEASURED[f"queue {mode}"] = measured
+    assert measured["next_tokens"] == 10
+    if mode == "bare":
+        assert measured["tokens"] == MAX_NEW_TOKENS, measured
+    else:
+        assert measured["tokens_after_close"] <= MAX_TOKENS_AFTER_CLOSE, measured
+
+
+@pytest.mark.parametrize("shape", ["batch", "beams"])
+def test_criteria_stops_a_real_batch_and_beam_search(server: Server, shape: str) -> None:
+    engine = server.engine
+    inputs = engine.tokenizer(["one prompt", "another prompt"], return_tensors="pt", padding=True)
+    token = CancelToken()
+    token.fire("client disconnected")
+    criteria = CancelCriteria(token)
+    extra = {"num_beams": 2} if shape == "beams" else {}
+    with engine.lock:
+        output = engine.model.generate(
+            **inputs, max_new_tokens=50, min_new_tokens=50, stopping_criteria=[criteria], **extra
+        )
+    assert output.shape[-1] <= inputs["input_ids"].shape[-1] + 1
+    assert criteria.stopped
+    assert token.usage is not None
+    assert token.usage.prompt_tokens > 0
