@@ -1,7 +1,8 @@
 """llama-cpp-python's OpenAI server (`llama_cpp.server`), as uvicorn's factory, for the tests.
 
 `ASGI_CANCEL_LLAMA_MODE=alone` serves `llama_cpp.server.app.create_app()` as it is;
-`adapter` serves `asgi_cancel.llama_cpp.server_app()`, the documented recipe. The model and
+`middleware` wraps it in `CancelOnDisconnectMiddleware` and nothing more; `adapter` serves
+`asgi_cancel.llama_cpp.server_app()`, the documented recipe. The model and
 its settings come from the environment, as llama-cpp-python's server reads them (`MODEL`,
 `N_CTX`, `N_THREADS`, ...). Both get the same two routes of the tests' own: `GET /hello` (the
 runner's readiness probe) and `GET /probe` (the engine's side, `llama_probe`).
@@ -36,6 +37,13 @@ def create_app() -> Any:
 
         app = create_server_app()
         inner: FastAPI = app
+    elif mode == "middleware":
+        from llama_cpp.server.app import create_app as create_server_app
+
+        from asgi_cancel import CancelOnDisconnectMiddleware
+
+        inner = create_server_app()
+        app = CancelOnDisconnectMiddleware(inner)
     elif mode == "adapter":
         from asgi_cancel.llama_cpp import server_app
 
@@ -43,7 +51,9 @@ def create_app() -> Any:
         assert isinstance(app.app, FastAPI)
         inner = app.app
     else:
-        raise ValueError(f"ASGI_CANCEL_LLAMA_MODE must be alone or adapter, got {mode!r}")
+        raise ValueError(
+            f"ASGI_CANCEL_LLAMA_MODE must be alone, middleware or adapter, got {mode!r}"
+        )
     inner.add_api_route("/hello", hello, methods=["GET"])
     inner.add_api_route("/probe", probe, methods=["GET"])
     return app
