@@ -5,16 +5,19 @@ stop the thread: llama.cpp keeps generating to `max_tokens` after the client lef
 model. What the thread can do is look at the request's `CancelToken` between tokens, and
 llama-cpp-python asks its `stopping_criteria` after every token. `stopping_criteria()` is that
 look: a criterion bound to the request's token, which stops the generation within one token of
-the disconnect, a cancel by id or a deadline, streaming or not. `stream()` ends a streamed
-iterator at once for the thread that consumes it.
+the disconnect, a cancel by id or a deadline, streaming or not; `logits_processor()` does the
+same for `create_chat_completion`, which takes no criteria. `stream()` ends a streamed
+iterator at once for the thread that consumes it; `server_app()` is llama-cpp-python's OpenAI
+server with all of it.
 
 Take both in the request's context (the endpoint, or code that copied its context:
 `asyncio.to_thread`, Starlette's `run_in_threadpool`, FastAPI `def` endpoints) and hand them to
 the thread: a `threading.Thread` does not carry context variables, so inside one there is no
 current token; pass `token=` then.
 
-Nothing here imports llama_cpp until `stopping_criteria()` is called: `CancelCriterion` is a
-plain callable `(input_ids, logits) -> bool`, as `llama_cpp.StoppingCriteriaList` holds.
+Nothing here imports llama_cpp until a list is made (`stopping_criteria()`,
+`logits_processor()`, `server_app()`): `CancelCriterion` is a plain callable
+`(input_ids, logits) -> bool`, as `llama_cpp.StoppingCriteriaList` holds.
 """
 
 from __future__ import annotations
@@ -88,8 +91,8 @@ class CancelCriterion:
     that closing call gets the criterion's last answer, not a new one. One criterion per
     generation: make a new one for each `create_completion` call.
 
-    Without a token (made outside a request and no `token=`), it logs a warning once and
-    never stops anything; it still counts (`generated`).
+    Without a token (made outside a request and no `token=`), it logs a warning when it is
+    made and never stops anything; it still counts (`generated`).
 
     Args:
         token: the request's token; by default the current one (`current_token()`), which
@@ -238,9 +241,10 @@ def stopping_criteria(
 ) -> StoppingCriteriaList:
     """A `llama_cpp.StoppingCriteriaList` that stops the generation when its request stops.
 
-    Pass it as `stopping_criteria=` to `Llama.create_completion`, `Llama.__call__` or
-    `Llama.create_chat_completion`, streaming or not. Call it in the request's context and
-    hand the list to the thread (see the module's docs); one list per call.
+    Pass it as `stopping_criteria=` to `Llama.create_completion` or `Llama.__call__`,
+    streaming or not (`create_chat_completion` takes `logits_processor()` instead). Call it
+    in the request's context and hand the list to the thread (see the module's docs); one
+    list per call.
 
     Args:
         *criteria: the request's own criteria, kept in the list before the cancel criterion.
@@ -384,7 +388,7 @@ def server_app(**options: Any) -> CancelOnDisconnectMiddleware:
         raise RuntimeError(
             "asgi_cancel.llama_cpp.server_app: llama_cpp.server.app has no "
             "prepare_request_resources (tested with llama-cpp-python 0.3.36): add "
-            "stopping_criteria() to its calls another way"
+            "logits_processor() to its calls another way"
         )
     if not getattr(prepare, "_asgi_cancel", False):
 
