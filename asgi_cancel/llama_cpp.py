@@ -4,11 +4,11 @@ Cancelling the asyncio task that awaits `asyncio.to_thread(llm.create_completion
 stop the thread: llama.cpp keeps generating to `max_tokens` after the client left, holding the
 model. What the thread can do is look at the request's `CancelToken` between tokens, and
 llama-cpp-python asks its `stopping_criteria` after every token. `stopping_criteria()` is that
-look: a criterion bound to the request's token, which stops the generation within one token of
-the disconnect, a cancel by id or a deadline, streaming or not; `logits_processor()` does the
-same for `create_chat_completion`, which takes no criteria. `stream()` ends a streamed
-iterator at once for the thread that consumes it; `server_app()` is llama-cpp-python's OpenAI
-server with all of it.
+look: a criterion bound to the request's token, which stops the generation within a token of
+the request's stop (the client left, a cancel by id, a deadline), streaming or not;
+`logits_processor()` does the same for `create_chat_completion`, which takes no criteria.
+`stream()` ends a streamed iterator at once for the thread that consumes it; `server_app()` is
+llama-cpp-python's OpenAI server with all of it.
 
 Take both in the request's context (the endpoint, or code that copied its context:
 `asyncio.to_thread`, Starlette's `run_in_threadpool`, FastAPI `def` endpoints) and hand them to
