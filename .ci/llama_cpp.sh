@@ -16,6 +16,9 @@
 #                        where built wheels are kept, outside the clone, so a fresh clone on the
 #                        same machine reuses them (default: ${XDG_CACHE_HOME:-~/.cache}/asgi-cancel/wheels)
 #
+# The build takes /tmp/asgi-cancel-heavy.lock itself: don't run this script under that lock
+# before the wheel is cached.
+#
 # PyPI has only the sdist of llama-cpp-python: the first run compiles llama.cpp (CPU only, no
 # -march=native so the wheel runs on any x86-64 with AVX2, no OpenMP, no multimodal library).
 # Budget on a 2-core machine: that build 8 min the first time (501 s of CPU, 0.7 GB of memory,
@@ -75,17 +78,21 @@ build_wheel() {
     python=$(find_python)
     tmp=$(mktemp -d "$WHEEL_CACHE/.build.XXXXXX")
     echo "llama_cpp.sh: building llama-cpp-python $LLAMA_CPP_VERSION ($CMAKE_FLAGS) into $WHEEL_DIR"
+    # GNU time, where it is installed, for the build's CPU time and peak memory.
+    local measure=()
+    [ ! -x /usr/bin/time ] || measure=(/usr/bin/time -v -o "$tmp/time.txt")
     if ! CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=2 flock /tmp/asgi-cancel-heavy.lock \
-        /usr/bin/env time -v -o "$tmp/time.txt" timeout 3600 "$python" -m pip wheel -q --no-deps \
+        "${measure[@]}" timeout 3600 "$python" -m pip wheel -q --no-deps \
         --no-binary llama-cpp-python -w "$tmp" "llama-cpp-python==$LLAMA_CPP_VERSION" \
         >"$tmp/build.log" 2>&1; then
         tail -40 "$tmp/build.log" >&2
         echo "llama_cpp.sh: building llama-cpp-python failed (log: $tmp/build.log)" >&2
         return 1
     fi
-    grep -E "Elapsed|Maximum resident|User time|System time" "$tmp/time.txt" || true
+    grep -E "Elapsed|Maximum resident|User time|System time" "$tmp/time.txt" 2>/dev/null || true
     mkdir -p "$WHEEL_DIR.tmp"
-    mv "$tmp"/*.whl "$tmp/time.txt" "$WHEEL_DIR.tmp/"
+    mv "$tmp"/*.whl "$WHEEL_DIR.tmp/"
+    [ ! -f "$tmp/time.txt" ] || mv "$tmp/time.txt" "$WHEEL_DIR.tmp/"
     rm -rf "$WHEEL_DIR" "$tmp"
     mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
     echo "llama_cpp.sh: built $(cached_wheel)"
