@@ -1,6 +1,6 @@
 """A FastAPI app that runs llama-cpp-python in a worker thread, one generation at a time.
 
-For tests/threads/test_llama_cpp.py and benchmarks/llama_cpp.py, under uvicorn. Environment:
+For tests/threads/test_llama_cpp.py, under uvicorn. Environment:
 
 - `ASGI_CANCEL_LLAMA_MODEL`: the GGUF file (tests/threads/tiny_gguf.py writes one).
 - `ASGI_CANCEL_LLAMA_MODE`: `alone` (no asgi-cancel), `middleware` (the middleware, not the

@@ -49,7 +49,7 @@ if importlib.util.find_spec("llama_cpp") is None:
 
 pytestmark = pytest.mark.servers
 
-MAX_TOKENS = 600  # ~2-3 s of the tiny model on one thread: the control's run to the end
+MAX_TOKENS = 600  # ~1 s of the tiny model on one thread: the control runs to the end
 LEAVE_AFTER = 20  # tokens generated (engine side) before the client leaves
 # Tokens generated after the close, with asgi-cancel: the disconnect is read, the token fired,
 # the criterion asked at the next token. A leak runs to MAX_TOKENS.
