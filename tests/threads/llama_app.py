@@ -191,4 +191,8 @@ def record(scope: Any, *, usage: TokenUsage, **_: Any) -> Callable[[], None]:
     return finished
 
 
-asgi: Any = app if MODE == "alone" else CancelOnDisconnectMiddleware(app, on_cancelled=record)
+# A caller's budget (`x-request-timeout: 150ms`) sets the request's deadline.
+middleware = CancelOnDisconnectMiddleware(
+    app, on_cancelled=record, timeout_header="x-request-timeout"
+)
+asgi: Any = app if MODE == "alone" else middleware

@@ -310,6 +310,31 @@ def test_the_next_request_queued_behind_a_departed_one_starts_at_once(
         assert nxt["started"] >= first["evals"][-1]  # it waited for the whole departed one
 
 
+@pytest.mark.parametrize("mode", ["middleware", "adapter"], ids=["control", "adapter"])
+def test_a_deadline_stops_the_generation_too(servers: ServerPool, mode: str) -> None:
+    # The client stays; its budget runs out 150 ms in: the same token fires, reason deadline.
+    server = servers.get("app", mode)
+    before = len(probe(server)["generations"])
+    data = json.dumps(completion_body("completion", MAX_TOKENS, False, "to_thread")).encode()
+    headers = (
+        ("Content-Type", "application/json"),
+        ("Content-Length", str(len(data))),
+        ("x-request-timeout", "150ms"),
+    )
+    with connect(server.port, timeout=30.0) as sock:
+        send_request(sock, "POST", "/v1/completions", headers=headers, body=data)
+        wait_for(
+            server,
+            "the generation to start",
+            lambda s: len(s["generations"]) > before and s["generations"][before]["evals"],
+        )
+        generation = settled(server, before)
+    if mode == "middleware":
+        assert len(generation["evals"]) == MAX_TOKENS
+    else:
+        assert len(generation["evals"]) < MAX_TOKENS // 2
+
+
 def test_a_thread_that_ignores_the_token_is_reported_and_not_waited_for(
     servers: ServerPool,
 ) -> None:
