@@ -19,6 +19,7 @@ OPTIONAL = (
     "aiohttp",
     "anyio",
     "httpx",
+    "llama_cpp",
     "opentelemetry",
     "prometheus_client",
     "redis",
@@ -101,6 +102,7 @@ def test_modules_that_need_no_extra_import_and_pull_no_optional_dependency(
         "import sys, asgi_cancel\n"
         "assert 'asgi_cancel.vllm' not in sys.modules\n"
         "import asgi_cancel.types, asgi_cancel.vllm, asgi_cancel.transformers\n"
+        "import asgi_cancel.llama_cpp\n"  # llama_cpp is needed at use only, too
         f"print(sorted({{name.partition('.')[0] for name in sys.modules}} & set({OPTIONAL!r})))"
     )
     assert run_hidden(hidden, body) == "[]"

@@ -1,0 +1,407 @@
+"""Stop a llama-cpp-python generation in a worker thread when its request stops.
+
+Cancelling the asyncio task that awaits `asyncio.to_thread(llm.create_completion, ...)` cannot
+stop the thread: llama.cpp keeps generating to `max_tokens` after the client left, holding the
+model. What the thread can do is look at the request's `CancelToken` between tokens, and
+llama-cpp-python asks its `stopping_criteria` after every token. `stopping_criteria()` is that
+look: a criterion bound to the request's token, which stops the generation within a token of
+the request's stop (the client left, a cancel by id, a deadline), streaming or not;
+`logits_processor()` does the same for `create_chat_completion`, which takes no criteria.
+`stream()` ends a streamed iterator at once for the thread that consumes it; `server_app()` is
+llama-cpp-python's OpenAI server with all of it.
+
+Take both in the request's context (the endpoint, or code that copied its context:
+`asyncio.to_thread`, Starlette's `run_in_threadpool`, FastAPI `def` endpoints) and hand them to
+the thread: a `threading.Thread` does not carry context variables, so inside one there is no
+current token; pass `token=` then.
+
+Nothing here imports llama_cpp until a list is made (`stopping_criteria()`,
+`logits_processor()`, `server_app()`): `CancelCriterion` is a plain callable
+`(input_ids, logits) -> bool`, as `llama_cpp.StoppingCriteriaList` holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sized
+from time import monotonic
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from . import CancelOnDisconnectMiddleware, CancelToken, current_token
+
+if TYPE_CHECKING:
+    from llama_cpp import LogitsProcessorList, StoppingCriteriaList
+
+__all__ = [
+    "STILL_RUNNING_AFTER",
+    "CancelCriterion",
+    "CancelLogitsProcessor",
+    "logits_processor",
+    "server_app",
+    "stopping_criteria",
+    "stream",
+]
+
+logger = logging.getLogger("asgi_cancel")
+
+#: Seconds after a request's cancellation at which a generation that has not stopped (its
+#: thread does not consult the criterion, or never started) is logged at WARNING.
+STILL_RUNNING_AFTER = 2.0
+
+_ChunkT = TypeVar("_ChunkT")
+
+
+def _missing(error: ImportError, install: str = "'asgi-cancel[llama-cpp]'") -> ImportError:
+    return ImportError(
+        f"asgi_cancel.llama_cpp needs packages that are not installed ({error.name} is "
+        f"missing): pip install {install}"
+    )
+
+
+def _request_token(token: CancelToken | None, what: str) -> CancelToken | None:
+    if token is not None:
+        if not isinstance(token, CancelToken):
+            raise TypeError(f"token must be a CancelToken, got {token!r}")
+        return token
+    try:
+        return current_token()
+    except RuntimeError:
+        logger.warning(
+            "asgi_cancel.llama_cpp: %s was made outside a request handled by "
+            "CancelOnDisconnectMiddleware: it never stops the generation (in a "
+            "threading.Thread, take current_token() in the request and pass token=)",
+            what,
+        )
+        return None
+
+
+class CancelCriterion:
+    """A llama-cpp-python stopping criterion: True once the request should stop.
+
+    Called by llama.cpp after each token it generates, in the generating thread, it reads the
+    request's token (`token.should_stop`: fired, and neither in `shield()` nor `detach()`ed)
+    and counts the tokens into `token.usage` (`TokenUsage`: prompt, completion, and
+    completion tokens after the cancellation began), which the cancel report, the log and
+    `CancelMetrics` show, as `asgi_cancel.vllm` does for vLLM.
+
+    A generation that ends on its own (end of sequence, `max_tokens`, a stop string) is never
+    marked stopped: llama-cpp-python asks its criteria once more after the last token, and
+    that closing call gets the criterion's last answer, not a new one. One criterion per
+    generation: make a new one for each `create_completion` call.
+
+    Without a token (made outside a request and no `token=`), it logs a warning when it is
+    made and never stops anything; it still counts (`generated`).
+
+    Args:
+        token: the request's token; by default the current one (`current_token()`), which
+            only code in the request's context sees.
+
+    Raises:
+        TypeError: `token` is not a `CancelToken`.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_last_length",
+        "_watch",
+        "generated",
+        "prompt_tokens",
+        "stopped",
+        "token",
+    )
+
+    def __init__(self, token: CancelToken | None = None) -> None:
+        self.token = _request_token(token, "CancelCriterion()")
+        #: Tokens generated so far (one per call of llama.cpp's, the closing call excepted).
+        self.generated = 0
+        #: The prompt's length in tokens, once the first token is generated.
+        self.prompt_tokens: int | None = None
+        #: Whether the criterion stopped the generation.
+        self.stopped = False
+        self._last_length: int | None = None
+        self._closed = False
+        self._watch: _Watch | None = None
+        if self.token is not None:
+            # Made here, in the request's thread: counts from the worker land in one record.
+            self.token.add_usage()
+            self._watch = _Watch(self)
+            self.token.on_cancel(self._watch.start)
+
+    def __call__(self, input_ids: Sized, logits: object) -> bool:
+        length = len(input_ids)
+        if length == self._last_length:
+            # llama-cpp-python's closing call after the loop (the same ids as the last one):
+            # the generation is over; its answer decides finish_reason, so it stays the last.
+            self._closed = True
+            return self.stopped
+        return self._step(length)
+
+    def _step(self, length: int) -> bool:
+        """One token generated after `length` tokens evaluated: whether to stop now."""
+        if self._last_length is None:
+            self.prompt_tokens = length
+        self._last_length = length
+        self.generated += 1
+        token = self.token
+        if token is None:
+            return False
+        if self.generated == 1:
+            token.add_usage(prompt_tokens=length, completion_tokens=1)
+        else:
+            token.add_usage(completion_tokens=1)
+        if token.should_stop:
+            self.stopped = True
+        return self.stopped
+
+    @property
+    def running(self) -> bool:
+        """Whether a generation was asked about and has not ended (neither stopped nor closed)."""
+        return not (self._closed or self.stopped)
+
+    def close(self) -> None:
+        """Mark the generation over without llama's closing call (a stream closed early)."""
+        self._closed = True
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.stopped else "closed" if self._closed else "running"
+        return f"<CancelCriterion {state} generated={self.generated}>"
+
+
+class CancelLogitsProcessor(CancelCriterion):
+    """A llama-cpp-python logits processor that ends the generation when its request stops.
+
+    For `Llama.create_chat_completion`, which takes `logits_processor=` but no
+    `stopping_criteria=` (llama-cpp-python 0.3.36); it works for `create_completion` too.
+    Called before each token is sampled, it counts as `CancelCriterion` does; once the request
+    should stop, it leaves end-of-sequence the only token that can be sampled, so the
+    generation ends at that token, `finish_reason="stop"`.
+
+    Args:
+        eos_token: the model's end-of-sequence token (`llm.token_eos()`).
+        token: the request's token; by default the current one.
+
+    Raises:
+        TypeError: `token` is not a `CancelToken`.
+    """
+
+    __slots__ = ("eos_token",)
+
+    def __init__(self, eos_token: int, token: CancelToken | None = None) -> None:
+        super().__init__(token)
+        self.eos_token = eos_token
+
+    def __call__(self, input_ids: Sized, scores: Any) -> Any:
+        if self._step(len(input_ids)):
+            scores.fill(float("-inf"))
+            scores[self.eos_token] = 0.0
+        return scores
+
+
+class _Watch:
+    """At the cancellation, a timer that reports a generation still running after
+    `STILL_RUNNING_AFTER` seconds; a timer thread, so that it neither waits in the request
+    nor needs the event loop (asyncio or trio) to run it."""
+
+    __slots__ = ("cancelled_at", "criterion", "generated_at_cancel")
+
+    def __init__(self, criterion: CancelCriterion) -> None:
+        self.criterion = criterion
+        self.cancelled_at = 0.0
+        self.generated_at_cancel = 0
+
+    def start(self) -> None:
+        token = self.criterion.token
+        if token is None or not token.should_stop or not self.criterion.running:
+            return
+        self.cancelled_at = monotonic()
+        self.generated_at_cancel = self.criterion.generated
+        timer = threading.Timer(STILL_RUNNING_AFTER, self.check)
+        timer.daemon = True
+        timer.start()
+
+    def check(self) -> None:
+        criterion = self.criterion
+        if not criterion.running:
+            return
+        logger.warning(
+            "asgi_cancel.llama_cpp: a generation is still running %.1fs after its request was "
+            "cancelled, and has not asked its stopping criteria since (%d tokens generated "
+            "before the cancel, none since): is the criterion passed to the call, and is the "
+            "thread that runs it blocked or still waiting for the model?",
+            monotonic() - self.cancelled_at,
+            self.generated_at_cancel,
+            extra={"asgi_cancel": {"generated": self.generated_at_cancel}},
+        )
+
+
+def stopping_criteria(
+    *criteria: Callable[..., bool], token: CancelToken | None = None
+) -> StoppingCriteriaList:
+    """A `llama_cpp.StoppingCriteriaList` that stops the generation when its request stops.
+
+    Pass it as `stopping_criteria=` to `Llama.create_completion` or `Llama.__call__`,
+    streaming or not (`create_chat_completion` takes `logits_processor()` instead). Call it
+    in the request's context and hand the list to the thread (see the module's docs); one
+    list per call.
+
+    Args:
+        *criteria: the request's own criteria, kept in the list before the cancel criterion.
+        token: the request's token; by default the current one.
+
+    Returns:
+        A `llama_cpp.StoppingCriteriaList`; its last item is the `CancelCriterion`.
+
+    Raises:
+        TypeError: `token` is not a `CancelToken`.
+        ImportError: llama-cpp-python is not installed.
+    """
+    try:
+        from llama_cpp import StoppingCriteriaList
+    except ImportError as error:
+        raise _missing(error) from error
+    made: StoppingCriteriaList = StoppingCriteriaList([*criteria, CancelCriterion(token)])
+    return made
+
+
+def logits_processor(
+    llm: Any, *processors: Callable[..., Any], token: CancelToken | None = None
+) -> LogitsProcessorList:
+    """A `llama_cpp.LogitsProcessorList` that ends the generation when its request stops.
+
+    Pass it as `logits_processor=` to `Llama.create_chat_completion` (which has no
+    `stopping_criteria=`), streaming or not; `create_completion` takes it too. Call it in the
+    request's context and hand the list to the thread; one list per call.
+
+    Args:
+        llm: the `llama_cpp.Llama` that generates (for its end-of-sequence token).
+        *processors: the request's own processors, kept before the cancel processor (one that
+            forbids end-of-sequence, `min_tokens`, is overridden once the request stops).
+        token: the request's token; by default the current one.
+
+    Returns:
+        A `llama_cpp.LogitsProcessorList`; its last item is the `CancelLogitsProcessor`.
+
+    Raises:
+        TypeError: `token` is not a `CancelToken`.
+        ImportError: llama-cpp-python is not installed.
+    """
+    try:
+        from llama_cpp import LogitsProcessorList
+    except ImportError as error:
+        raise _missing(error) from error
+    processor = CancelLogitsProcessor(int(llm.token_eos()), token)
+    made: LogitsProcessorList = LogitsProcessorList([*processors, processor])
+    return made
+
+
+def _cancel_criterion(criteria: Iterable[object]) -> CancelCriterion | None:
+    for criterion in criteria:
+        if isinstance(criterion, CancelCriterion):
+            return criterion
+    return None
+
+
+def stream(
+    chunks: Iterable[_ChunkT],
+    *,
+    token: CancelToken | None = None,
+    criteria: Iterable[object] = (),
+) -> Iterator[_ChunkT]:
+    """`chunks` (a streamed `create_completion`), ending at once when the request stops.
+
+    For the thread that iterates the stream: once the request should stop, the next step
+    closes the underlying generator (llama.cpp stops at the token in progress) and ends,
+    without the final chunk, instead of handing on what the criterion lets through. Take it
+    in the request's context, like `stopping_criteria()`.
+
+    Args:
+        chunks: what `create_completion(..., stream=True)` returned.
+        token: the request's token; by default the current one.
+        criteria: the list from `stopping_criteria()` given to the same call: its criterion
+            is told when the stream ends early, so that a generation closed here is not
+            reported as still running.
+
+    Raises:
+        TypeError: `token` is not a `CancelToken`.
+    """
+    return _Stream(iter(chunks), _request_token(token, "stream()"), _cancel_criterion(criteria))
+
+
+class _Stream(Iterator[_ChunkT]):
+    """A class, not a generator function: the token is taken when it is made (in the
+    request's context), not at the first `next()` (in the thread)."""
+
+    __slots__ = ("_chunks", "_criterion", "_token")
+
+    def __init__(
+        self,
+        chunks: Iterator[_ChunkT],
+        token: CancelToken | None,
+        criterion: CancelCriterion | None,
+    ) -> None:
+        self._chunks = chunks
+        self._token = token
+        self._criterion = criterion
+
+    def __next__(self) -> _ChunkT:
+        if self._token is not None and self._token.should_stop:
+            self.close()
+            raise StopIteration
+        return next(self._chunks)
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+        if self._criterion is not None:
+            self._criterion.close()
+
+
+def server_app(**options: Any) -> CancelOnDisconnectMiddleware:
+    """llama-cpp-python's OpenAI server, stopping each completion when its request stops.
+
+    `llama_cpp.server.app.create_app()`, configured as llama-cpp-python documents it
+    (`MODEL=...`, `CONFIG_FILE=...`), behind `CancelOnDisconnectMiddleware(**options)`, with
+    `logits_processor()` added to every completion and chat completion, streaming or not:
+
+        MODEL=model.gguf uvicorn asgi_cancel.llama_cpp:server_app --factory
+
+    The processor reaches the server's calls through `prepare_request_resources`, the function
+    its routes call with each request's arguments, in the request's context; it is wrapped
+    once per process. Tested with llama-cpp-python 0.3.36.
+
+    Args:
+        **options: for `CancelOnDisconnectMiddleware`.
+
+    Raises:
+        ImportError: llama-cpp-python's server extra is not installed.
+        RuntimeError: this llama-cpp-python has no `prepare_request_resources` to wrap.
+    """
+    try:
+        from llama_cpp.server import app as server
+    except ImportError as error:
+        raise _missing(error, "'asgi-cancel[llama-cpp]' 'llama-cpp-python[server]'") from error
+    prepare = getattr(server, "prepare_request_resources", None)
+    if prepare is None:
+        raise RuntimeError(
+            "asgi_cancel.llama_cpp.server_app: llama_cpp.server.app has no "
+            "prepare_request_resources (tested with llama-cpp-python 0.3.36): add "
+            "logits_processor() to its calls another way"
+        )
+    if not getattr(prepare, "_asgi_cancel", False):
+
+        @functools.wraps(prepare)
+        def prepare_with_cancel(
+            body: Any, llama_proxy: Any, body_model: Any, kwargs: dict[str, Any]
+        ) -> Any:
+            llm = prepare(body, llama_proxy, body_model, kwargs)
+            # Last, after the server's own (min_tokens): a processor, as the chat route's
+            # create_chat_completion takes no stopping_criteria.
+            kwargs["logits_processor"] = logits_processor(llm, *kwargs.get("logits_processor", ()))
+            return llm
+
+        prepare_with_cancel._asgi_cancel = True  # type: ignore[attr-defined]
+        server.prepare_request_resources = prepare_with_cancel
+    return CancelOnDisconnectMiddleware(server.create_app(), **options)

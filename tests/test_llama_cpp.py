@@ -1,0 +1,288 @@
+"""asgi_cancel.llama_cpp without llama.cpp: the criterion, the stream and the watch, driven the
+way llama-cpp-python 0.3.36 calls them (tests/threads/test_llama_cpp.py runs the real engine).
+
+`complete()` is llama-cpp-python's loop as far as stopping criteria see it: after each token,
+the criteria get the ids evaluated so far (the prompt, then one more per token); after the
+loop, one closing call with the same ids decides `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+import asgi_cancel.llama_cpp
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, detach, shield
+from asgi_cancel.llama_cpp import CancelCriterion, stream
+from asgi_cancel.testing import ClientConnection
+from asgi_cancel.types import Receive, Scope, Send
+
+PROMPT = 5
+
+
+def complete(
+    criterion: Callable[[list[int], object], bool],
+    max_tokens: int,
+    *,
+    each_token: Callable[[int], None] = lambda n: None,
+) -> tuple[str, int]:
+    """(finish_reason, tokens handed out) of one non-streaming completion."""
+    ids = list(range(PROMPT))
+    tokens = 0
+    while True:
+        if criterion(list(ids), None):
+            break
+        tokens += 1
+        each_token(tokens)
+        if tokens >= max_tokens:
+            break
+        ids.append(tokens)  # the next eval
+    finish = "stop" if criterion(list(ids), None) else "length"
+    return finish, tokens
+
+
+def test_stops_at_the_token_after_the_cancel_and_counts_what_it_cost() -> None:
+    token = CancelToken()
+    criterion = CancelCriterion(token)
+
+    def cancel_at_ten(n: int) -> None:
+        if n == 10:
+            token.fire("client disconnected")
+
+    assert complete(criterion, 100, each_token=cancel_at_ten) == ("stop", 10)
+    assert criterion.stopped
+    assert not criterion.running
+    assert criterion.generated == 11  # the eleventh was sampled, never handed out
+    assert token.usage is not None
+    usage = token.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.after_cancel) == (PROMPT, 11, 1)
+
+
+def test_a_finished_generation_is_never_marked_cancelled() -> None:
+    # The cancel lands between the last token and llama's closing call: finish_reason stays.
+    token = CancelToken()
+    criterion = CancelCriterion(token)
+
+    def cancel_at_the_end(n: int) -> None:
+        if n == 8:
+            token.fire("client disconnected")
+
+    assert complete(criterion, 8, each_token=cancel_at_the_end) == ("length", 8)
+    assert not criterion.stopped
+    assert not criterion.running
+    assert token.usage is not None
+    assert (token.usage.completion_tokens, token.usage.after_cancel) == (8, 0)
+
+
+def test_outside_a_request_it_says_so_and_never_stops(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        criterion = CancelCriterion()
+    assert criterion.token is None
+    assert "outside a request" in caplog.text
+    assert "pass token=" in caplog.text
+    assert complete(criterion, 20) == ("length", 20)
+    assert criterion.generated == 20
+    assert criterion.prompt_tokens == PROMPT
+
+
+def test_a_token_that_is_not_a_cancel_token_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="token must be a CancelToken"):
+        CancelCriterion("token")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="token must be a CancelToken"):
+        stream([], token=object())  # type: ignore[arg-type]
+
+
+def chunks(log: list[str]) -> Iterator[int]:
+    try:
+        for n in range(1000):
+            log.append(f"chunk {n}")
+            yield n
+    finally:
+        log.append("closed")
+
+
+def test_stream_ends_at_once_and_closes_the_generation() -> None:
+    token = CancelToken()
+    criterion = CancelCriterion(token)
+    log: list[str] = []
+    seen = []
+    for n in stream(chunks(log), token=token, criteria=[criterion]):
+        seen.append(n)
+        if n == 3:
+            token.fire("client disconnected")
+    assert seen == [0, 1, 2, 3]
+    assert log[-2:] == ["chunk 3", "closed"]  # no chunk was made after the cancel
+    assert not criterion.running  # told: the stream was closed here
+
+
+def test_stream_passes_everything_through_when_not_cancelled() -> None:
+    token = CancelToken()
+    assert list(stream(iter(range(5)), token=token)) == [0, 1, 2, 3, 4]
+
+
+def test_stream_outside_a_request_passes_through(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        passed = list(stream(range(3)))
+    assert passed == [0, 1, 2]
+    assert "stream() was made outside a request" in caplog.text
+
+
+@pytest.fixture
+def quick_watch(monkeypatch: pytest.MonkeyPatch) -> float:
+    monkeypatch.setattr(asgi_cancel.llama_cpp, "STILL_RUNNING_AFTER", 0.05)
+    return 0.05
+
+
+def wait_for_record(caplog: pytest.LogCaptureFixture, text: str) -> str:
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        for record in caplog.records:
+            if text in record.getMessage():
+                return record.getMessage()
+        time.sleep(0.01)
+    raise AssertionError(f"no log record with {text!r}: {caplog.text}")
+
+
+def test_a_thread_that_ignores_the_token_is_reported_not_waited_for(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    token = CancelToken()
+    criterion = CancelCriterion(token)  # made, never passed to the generation
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        started = time.monotonic()
+        token.fire("client disconnected")
+        assert time.monotonic() - started < quick_watch  # fire() does not wait
+        message = wait_for_record(caplog, "still running")
+    assert "0 tokens generated before the cancel, none since" in message
+    assert criterion.running
+
+
+def test_a_generation_that_stops_is_not_reported(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    token = CancelToken()
+    criterion = CancelCriterion(token)
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        thread = threading.Thread(target=complete, args=(criterion, 10_000))
+        thread.start()
+        token.fire("client disconnected")
+        thread.join(5.0)
+        time.sleep(quick_watch * 3)
+    assert criterion.stopped
+    assert "still running" not in caplog.text
+
+
+def test_a_finished_generation_cancelled_afterwards_is_not_reported(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    token = CancelToken()
+    criterion = CancelCriterion(token)
+    assert complete(criterion, 5) == ("length", 5)
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        token.fire("client disconnected")
+        time.sleep(quick_watch * 3)
+    assert "still running" not in caplog.text
+
+
+# -- under the middleware: the token found in a worker thread, shield() and detach() ---------
+
+
+def generation_app(
+    wrap: str, results: dict[str, Any], started: threading.Event
+) -> Callable[[Scope, Receive, Send], Any]:
+    """An ASGI app generating in a worker thread (anyio's, which copies the context)."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        def generate() -> tuple[str, int]:
+            criterion = CancelCriterion()  # in the thread: found through the copied context
+            results["criterion"] = criterion
+
+            def slowly(n: int) -> None:
+                started.set()
+                time.sleep(0.002)
+
+            return complete(criterion, 300, each_token=slowly)
+
+        try:
+            if wrap == "shield":
+                with shield():
+                    results["finish"] = await anyio.to_thread.run_sync(generate)
+            elif wrap == "detach":
+                with detach():
+                    results["finish"] = await anyio.to_thread.run_sync(generate)
+            else:
+                results["finish"] = await anyio.to_thread.run_sync(generate)
+        finally:
+            results["done"] = True
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("wrap", "runs_to_the_end"),
+    [("none", False), ("shield", True), ("detach", True)],
+    ids=["plain", "shield", "detach"],
+)
+@pytest.mark.anyio
+async def test_under_the_middleware_the_disconnect_stops_the_thread_unless_shielded(
+    wrap: str, runs_to_the_end: bool
+) -> None:
+    results: dict[str, Any] = {}
+    started = threading.Event()
+    app = CancelOnDisconnectMiddleware(generation_app(wrap, results, started))
+    conn = ClientConnection()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(conn.run, app)
+            await anyio.to_thread.run_sync(started.wait)
+            conn.disconnect()
+    assert results["done"]  # conn.run returned once the app did
+    criterion: CancelCriterion = results["criterion"]
+    usage = criterion.token.usage if criterion.token is not None else None
+    assert usage is not None
+    if runs_to_the_end:
+        assert results["finish"] == ("length", 300)
+        assert not criterion.stopped
+    else:
+        assert criterion.stopped
+        assert criterion.generated < 300
+        assert usage.after_cancel <= 5  # a token or two while the disconnect is read
+
+
+def test_stopping_criteria_without_llama_cpp_names_the_extra() -> None:
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("llama_cpp is installed here")
+    with pytest.raises(ImportError, match=r"pip install 'asgi-cancel\[llama-cpp\]'"):
+        asgi_cancel.llama_cpp.stopping_criteria()
+    with pytest.raises(ImportError, match=r"'llama-cpp-python\[server\]'"):
+        asgi_cancel.llama_cpp.server_app()
+
+
+class Scores(list[float]):
+    """What a logits processor is given (llama-cpp-python: a numpy array)."""
+
+    def fill(self, value: float) -> None:
+        self[:] = [value] * len(self)
+
+
+def test_the_logits_processor_leaves_only_end_of_sequence_once_cancelled() -> None:
+    token = CancelToken()
+    processor = asgi_cancel.llama_cpp.CancelLogitsProcessor(2, token)
+    ids = list(range(PROMPT))
+    assert processor(ids, Scores([0.5, 1.0, -1.0, 3.0])) == [0.5, 1.0, -1.0, 3.0]
+    token.fire("client disconnected")
+    inf = float("inf")
+    assert processor([*ids, 1], Scores([0.5, 1.0, -1.0, 3.0])) == [-inf, -inf, 0.0, -inf]
+    assert processor.stopped
+    assert token.usage is not None
+    assert (token.usage.prompt_tokens, token.usage.completion_tokens) == (PROMPT, 2)
+    assert token.usage.after_cancel == 1

@@ -1,0 +1,471 @@
+"""llama-cpp-python generating in a worker thread, under real uvicorn, with a client that leaves.
+
+Each case sends a completion from a raw socket, closes the connection mid-generation and reads
+from the engine's side (`llama_probe`: llama.cpp's forward passes, timed) how many tokens were
+generated after the close. The control runs the same app without `asgi_cancel.llama_cpp` (the
+middleware alone cancels the app task; the thread goes on) and shows the generation running to
+`max_tokens`; with it, the generation stops within a few tokens. Then llama-cpp-python's own
+OpenAI server (`llama_cpp.server`), alone and through `asgi_cancel.llama_cpp.server_app()`.
+
+Needs llama-cpp-python (and gguf, to write the model): `.ci/llama_cpp.sh` makes that venv and
+runs this file there, where a missing llama_cpp is a failure (ASGI_CANCEL_REQUIRE_LLAMA_CPP=1);
+elsewhere the module is skipped. Each case's figures are printed at the end, and written as
+JSON to ASGI_CANCEL_LLAMA_RESULTS when it is set (docs/threads.md quotes them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..servers.client import (
+    FIN,
+    close,
+    connect,
+    get,
+    read_head,
+    read_response,
+    recv_some,
+    send_request,
+)
+from ..servers.runner import UVICORN_ARGS, Server, ServerSpec, command
+
+if importlib.util.find_spec("llama_cpp") is None:
+    if os.environ.get("ASGI_CANCEL_REQUIRE_LLAMA_CPP") == "1":
+        raise ImportError("llama_cpp is not installed, and ASGI_CANCEL_REQUIRE_LLAMA_CPP=1")
+    pytest.skip(
+        "llama-cpp-python is not installed (.ci/llama_cpp.sh runs these)", allow_module_level=True
+    )
+
+pytestmark = pytest.mark.servers
+
+MAX_TOKENS = 600  # ~1 s of the tiny model on one thread: the control runs to the end
+LEAVE_AFTER = 20  # tokens generated (engine side) before the client leaves
+# Tokens generated after the close, with asgi-cancel: the disconnect is read, the token fired,
+# the criterion asked at the next token. A leak runs to MAX_TOKENS.
+AFTER_CLOSE_BOUND = 40
+SETTLE = 0.5  # seconds without a forward pass: the generation stopped
+UVICORN = ServerSpec("uvicorn", command(*UVICORN_ARGS, "--http", "h11"))
+UVICORN_FACTORY = ServerSpec("uvicorn", command(*UVICORN_ARGS, "--http", "h11", "--factory"))
+RESULTS: list[dict[str, Any]] = []
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("ASGI_CANCEL_LLAMA_MODEL")
+    if given:
+        return Path(given)
+    from .tiny_gguf import write
+
+    return write(tmp_path_factory.mktemp("model") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    pool = ServerPool(model, tmp_path_factory)
+    try:
+        yield pool
+    finally:
+        pool.stop()
+    if RESULTS:
+        print_results()
+
+
+class ServerPool:
+    """One server per (app, mode), started on first use, all stopped at the module's end."""
+
+    def __init__(self, model: Path, tmp: pytest.TempPathFactory) -> None:
+        self.model = model
+        self.tmp = tmp
+        self.running: dict[tuple[str, str], Server] = {}
+
+    def get(self, app: str, mode: str) -> Server:
+        key = (app, mode)
+        if key not in self.running:
+            if app == "app":
+                server = Server(UVICORN, "tests.threads.llama_app:asgi", self.tmp.mktemp(mode))
+            else:
+                target = "tests.threads.llama_server_app:create_app"
+                server = Server(UVICORN_FACTORY, target, self.tmp.mktemp(f"server-{mode}"))
+            server.env.update(
+                ASGI_CANCEL_LLAMA_MODE=mode,
+                ASGI_CANCEL_LLAMA_MODEL=str(self.model),
+                # llama_cpp.server's settings, from the environment as it documents.
+                MODEL=str(self.model),
+                N_CTX="4096",
+                N_THREADS="1",
+                VERBOSE="false",
+            )
+            server.start()
+            self.running[key] = server
+        return self.running[key]
+
+    def stop(self) -> None:
+        for server in self.running.values():
+            server.stop()
+
+
+def probe(server: Server) -> dict[str, Any]:
+    response = get(server.port, "/probe")
+    assert response.status == 200, response
+    result: dict[str, Any] = json.loads(response.body)
+    return result
+
+
+def wait_for(server: Server, what: str, predicate: Any, timeout: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = probe(server)
+        if predicate(state):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {server.log()[-3000:]}")
+        time.sleep(0.02)
+
+
+def post(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = connect(port, timeout=30.0)
+    headers = (("Content-Type", "application/json"), ("Content-Length", str(len(data))))
+    send_request(sock, "POST", path, headers=headers, body=data)
+    return sock
+
+
+def completion_body(kind: str, max_tokens: int, stream: bool, thread: str) -> dict[str, Any]:
+    """The request for our app or for llama_cpp.server (which ignores `thread` and `chat`)."""
+    body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream, "temperature": 0.0}
+    body["thread"] = thread
+    if kind == "chat":
+        body["chat"] = True
+        body["messages"] = [{"role": "user", "content": "hello there"}]
+    body["prompt"] = "hello there"
+    return body
+
+
+def path_of(app: str, kind: str, thread: str) -> str:
+    if app == "server":
+        return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    return "/v1/completions/sync" if thread == "sync" else "/v1/completions"
+
+
+@contextmanager
+def departed(server: Server, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Send the request, close the connection once LEAVE_AFTER tokens were generated (a stream:
+    once its first chunks arrived too), and yield what happened then: `closed_at`, `index` (the
+    generation's, in the probe)."""
+    before = len(probe(server)["generations"])
+    sock = post(server.port, path, body)
+    try:
+        state = wait_for(
+            server,
+            "the generation to start",
+            lambda s: (
+                len(s["generations"]) > before
+                and len(s["generations"][before]["evals"]) >= LEAVE_AFTER
+            ),
+        )
+        if body["stream"]:
+            status, _, rest = read_head(sock)
+            assert status == 200
+            while rest.count(b"data: ") < 2:
+                rest += recv_some(sock)
+        closed_at = close(sock, FIN)
+    except BaseException:
+        sock.close()
+        raise
+    assert len(state["generations"]) == before + 1, "another generation ran meanwhile"
+    yield {"closed_at": closed_at, "index": before}
+
+
+def settled(server: Server, index: int, timeout: float = 60.0) -> dict[str, Any]:
+    """The generation `index` once it made no forward pass for SETTLE seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        generation = probe(server)["generations"][index]
+        last = generation["evals"][-1]
+        if time.monotonic() - last > SETTLE:
+            return dict(generation)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"generation {index} still running after {timeout} s")
+        time.sleep(0.05)
+
+
+def measure(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    with departed(server, path, body) as left:
+        pass
+    generation = settled(server, left["index"])
+    evals = generation["evals"]
+    after = [t for t in evals if t > left["closed_at"]]
+    return {
+        # The prompt's forward pass, then one per generated token.
+        "generated": len(evals),
+        "after_close": len(after),
+        "stop_ms": round(max(0.0, evals[-1] - left["closed_at"]) * 1000, 1),
+        "index": left["index"],
+        "closed_at": left["closed_at"],
+    }
+
+
+APP_CASES = [
+    ("completion", False, "to_thread"),
+    ("completion", False, "thread"),
+    ("completion", False, "sync"),
+    ("completion", True, "to_thread"),
+    ("completion", True, "thread"),
+    ("chat", False, "to_thread"),
+    ("chat", True, "thread"),
+]
+APP_IDS = [
+    f"{kind}-{'stream' if stream else 'whole'}-{thread}" for kind, stream, thread in APP_CASES
+]
+
+
+MODES = ["alone", "middleware", "adapter"]
+MODE_IDS = ["alone", "control", "adapter"]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("kind", "stream", "thread"), APP_CASES, ids=APP_IDS)
+def test_a_generation_in_a_worker_thread_stops_when_the_client_leaves(
+    servers: ServerPool, mode: str, kind: str, stream: bool, thread: str
+) -> None:
+    server = servers.get("app", mode)
+    reports = len(probe(server)["cancelled"])
+    body = completion_body(kind, MAX_TOKENS, stream, thread)
+    figures = measure(server, path_of("app", kind, thread), body)
+    RESULTS.append(
+        {"app": "app", "mode": mode, "kind": kind, "stream": stream, "thread": thread, **figures}
+    )
+    if mode != "adapter":
+        # Alone, nothing is cancelled; with the middleware alone, the app task is, and the
+        # thread is not: either way it runs to max_tokens.
+        assert figures["generated"] == MAX_TOKENS
+        return
+    assert figures["after_close"] <= AFTER_CLOSE_BOUND, figures
+    assert figures["generated"] < MAX_TOKENS // 2, figures
+    # What the cancelled generation cost, as the cancel report got it (TokenUsage).
+    state = wait_for(server, "the cancel report", lambda s: len(s["cancelled"]) > reports)
+    usage = state["cancelled"][reports]
+    generation = state["generations"][figures["index"]]
+    assert usage["prompt_tokens"] == generation["prompt_tokens"]
+    # One count per forward pass: the prompt's, then one per token (the last token sampled is
+    # counted too: it cost its forward pass's logits).
+    assert usage["completion_tokens"] == figures["generated"]
+    assert usage["after_cancel"] <= AFTER_CLOSE_BOUND
+
+
+QUEUED = [("app", "alone"), ("app", "middleware"), ("app", "adapter")]
+QUEUED += [("server", "alone"), ("server", "adapter")]
+
+
+@pytest.mark.parametrize(("app", "mode"), QUEUED, ids=[f"{a}-{m}" for a, m in QUEUED])
+def test_the_next_request_queued_behind_a_departed_one_starts_at_once(
+    servers: ServerPool, app: str, mode: str
+) -> None:
+    server = servers.get(app, mode)
+    body = completion_body("completion", MAX_TOKENS, False, "to_thread")
+    nxt_body = completion_body("completion", 4, True, "thread")
+    with departed(server, path_of(app, "completion", "to_thread"), body) as left:
+        sock = post(server.port, path_of(app, "completion", "thread"), nxt_body)
+        sent_at = time.monotonic()
+        try:
+            status, _, rest = read_head(sock)
+            while b"data: " not in rest:
+                rest += recv_some(sock)
+            first_at = time.monotonic()
+        finally:
+            sock.close()
+    assert status == 200
+    state = probe(server)
+    first = state["generations"][left["index"]]
+    nxt = state["generations"][left["index"] + 1]
+    after = [t for t in first["evals"] if t > left["closed_at"]]
+    RESULTS.append(
+        {
+            "app": app,
+            "mode": mode,
+            "kind": "queued",
+            "stream": True,
+            "thread": "",
+            "generated": len(first["evals"]),
+            "after_close": len(after),
+            "next_ttft_ms": round((first_at - sent_at) * 1000, 1),
+        }
+    )
+    if mode == "adapter":
+        assert len(after) <= AFTER_CLOSE_BOUND
+        assert len(first["evals"]) < MAX_TOKENS // 2
+    else:
+        assert len(first["evals"]) == MAX_TOKENS
+        assert nxt["started"] >= first["evals"][-1]  # it waited for the whole departed one
+
+
+@pytest.mark.parametrize("mode", ["middleware", "adapter"], ids=["control", "adapter"])
+def test_a_deadline_stops_the_generation_too(servers: ServerPool, mode: str) -> None:
+    # The client stays; its budget runs out 150 ms in: the same token fires, reason deadline.
+    server = servers.get("app", mode)
+    before = len(probe(server)["generations"])
+    data = json.dumps(completion_body("completion", MAX_TOKENS, False, "to_thread")).encode()
+    headers = (
+        ("Content-Type", "application/json"),
+        ("Content-Length", str(len(data))),
+        ("x-request-timeout", "150ms"),
+    )
+    with connect(server.port, timeout=30.0) as sock:
+        send_request(sock, "POST", "/v1/completions", headers=headers, body=data)
+        wait_for(
+            server,
+            "the generation to start",
+            lambda s: len(s["generations"]) > before and s["generations"][before]["evals"],
+        )
+        generation = settled(server, before)
+    if mode == "middleware":
+        assert len(generation["evals"]) == MAX_TOKENS
+    else:
+        assert len(generation["evals"]) < MAX_TOKENS // 2
+
+
+def test_a_thread_that_ignores_the_token_is_reported_and_not_waited_for(
+    servers: ServerPool,
+) -> None:
+    server = servers.get("app", "adapter")
+    reports = len(probe(server)["cancelled"])
+    body = completion_body("completion", MAX_TOKENS, False, "ignore")
+    with departed(server, "/v1/completions", body) as left:
+        pass
+    generation = settled(server, left["index"])
+    assert len(generation["evals"]) == MAX_TOKENS  # it ignored the token: ran to the end
+    log = server.log()
+    assert "a generation is still running" in log, log[-3000:]
+    assert "has not asked its stopping criteria since" in log
+    # The request was over while its thread still generated: not waited for.
+    report = probe(server)["cancelled"][reports]
+    assert report["finished_at"] is not None
+    assert report["finished_at"] < generation["evals"][-1]
+
+
+def test_a_finished_generation_is_never_marked_cancelled(servers: ServerPool) -> None:
+    # A whole completion the client waits for: its own finish_reason, no cancel report.
+    server = servers.get("app", "adapter")
+    reports = len(probe(server)["cancelled"])
+    for path in ("/v1/completions", "/v1/completions/sync"):
+        response = fetch_json(server, path, completion_body("completion", 12, False, "thread"))
+        assert response["choices"][0]["finish_reason"] == "length"
+        assert response["usage"]["completion_tokens"] == 12
+    assert len(probe(server)["cancelled"]) == reports
+
+
+def test_a_cancel_between_the_last_token_and_the_end_leaves_finish_reason(model: Path) -> None:
+    # llama-cpp-python asks its criteria once more after the loop: a cancel that lands then
+    # (the last token generated, the response not yet sent) does not turn "length" into "stop".
+    import llama_cpp
+
+    from asgi_cancel import CancelToken
+    from asgi_cancel.llama_cpp import stopping_criteria
+
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=512, n_threads=1, verbose=False)
+    token = CancelToken()
+    asked: list[int] = []
+
+    def cancel_at_the_last_token(input_ids: Any, logits: Any) -> bool:
+        asked.append(len(input_ids))
+        if len(asked) == 9:  # the closing call; the cancel criterion is asked after it
+            token.fire("client disconnected")
+        return False
+
+    criteria = stopping_criteria(cancel_at_the_last_token, token=token)
+    result = llm.create_completion(
+        "hello", max_tokens=8, temperature=0.0, stopping_criteria=criteria
+    )
+    assert len(asked) == 9  # eight tokens, then the closing call
+    assert token.cancelled
+    assert result["choices"][0]["finish_reason"] == "length"
+    assert not criteria[-1].stopped
+    assert token.usage is not None
+    assert (token.usage.completion_tokens, token.usage.after_cancel) == (8, 0)
+
+
+def test_outside_a_request_the_criteria_never_stop_a_generation(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import llama_cpp
+
+    from asgi_cancel.llama_cpp import logits_processor, stopping_criteria
+
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=512, n_threads=1, verbose=False)
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        criteria = stopping_criteria()
+        processors = logits_processor(llm)
+    assert caplog.text.count("outside a request") == 2
+    result = llm.create_completion(
+        "hello", max_tokens=8, temperature=0.0, stopping_criteria=criteria
+    )
+    assert result["choices"][0]["finish_reason"] == "length"
+    assert criteria[-1].generated == 8
+    chat = llm.create_chat_completion(
+        messages=[{"role": "user", "content": "hello"}], max_tokens=8, logits_processor=processors
+    )
+    assert chat["choices"][0]["finish_reason"] == "length"
+
+
+SERVER_CASES = [("completion", False), ("completion", True), ("chat", False), ("chat", True)]
+SERVER_IDS = [f"{kind}-{'stream' if stream else 'whole'}" for kind, stream in SERVER_CASES]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("kind", "stream"), SERVER_CASES, ids=SERVER_IDS)
+def test_llama_cpp_server_stops_when_the_client_leaves(
+    servers: ServerPool, mode: str, kind: str, stream: bool
+) -> None:
+    server = servers.get("server", mode)
+    body = completion_body(kind, MAX_TOKENS, stream, "")
+    figures = measure(server, path_of("server", kind, ""), body)
+    RESULTS.append(
+        {"app": "server", "mode": mode, "kind": kind, "stream": stream, "thread": "", **figures}
+    )
+    if mode != "adapter" and not stream:
+        # Alone, a whole completion runs to max_tokens after its client left; with the
+        # middleware alone too: the route awaits the generation in a thread pool
+        # (run_in_threadpool), which the app task's cancellation does not interrupt.
+        assert figures["generated"] == MAX_TOKENS
+        return
+    # Streams stop alone too: the server asks request.is_disconnected() after each chunk.
+    assert figures["after_close"] <= AFTER_CLOSE_BOUND, figures
+    assert figures["generated"] < MAX_TOKENS // 2, figures
+
+
+def fetch_json(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    with post(server.port, path, body) as sock:
+        response = read_response(sock)
+    assert response.status == 200, response
+    result: dict[str, Any] = json.loads(response.body)
+    return result
+
+
+def print_results() -> None:
+    lines = [
+        "",
+        "llama.cpp: tokens generated after the client closed, close -> stop (ms)",
+        f"{'app':8} {'mode':10} {'kind':10} {'stream':6} {'thread':9} {'generated':>9} "
+        f"{'after':>6} {'stop ms':>8} {'next ttft ms':>12}",
+    ]
+    for row in RESULTS:
+        lines.append(
+            f"{row['app']:8} {row['mode']:10} {row['kind']:10} {row['stream']!s:6} "
+            f"{row['thread']:9} {row['generated']:>9} {row.get('after_close', ''):>6} "
+            f"{row.get('stop_ms', ''):>8} {row.get('next_ttft_ms', ''):>12}"
+        )
+    print("\n".join(lines))  # noqa: T201 - the measurements, with -s or -rA
+    out = os.environ.get("ASGI_CANCEL_LLAMA_RESULTS")
+    if out:
+        Path(out).write_text(json.dumps(RESULTS, indent=1))
