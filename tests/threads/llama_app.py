@@ -34,6 +34,7 @@ from pydantic import BaseModel
 import asgi_cancel.llama_cpp
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, TokenUsage, current_token
 from asgi_cancel.llama_cpp import logits_processor, stopping_criteria, stream
+from asgi_cancel.types import CancelledRequest
 
 from . import llama_probe
 
@@ -181,8 +182,12 @@ def completions_sync(body: Completion) -> dict[str, Any]:
         return result
 
 
-def record(scope: Any, *, usage: TokenUsage, **_: Any) -> Callable[[], None]:
-    report: dict[str, Any] = {"path": scope["path"], "usage": usage, "finished_at": None}
+def record(request: CancelledRequest) -> Callable[[], None]:
+    report: dict[str, Any] = {
+        "path": request.scope["path"],
+        "usage": request.usage,
+        "finished_at": None,
+    }
     CANCELLED.append(report)
 
     def finished() -> None:  # called once the request is over
