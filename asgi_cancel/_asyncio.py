@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Generator, Iterator
 from time import monotonic
 from typing import Any
 
-from ._asyncio_task import in_anyio_shield, reacting, thread_future
+from ._asyncio_task import in_anyio_shield, reacting, thread_future, woken
 from ._cycle import Cycle, Options, State, logger, new_cycle
 from ._responses import COMPLETION_TIMEOUT, complete_cancelled
 from ._token import current_source, run_detached
@@ -63,7 +63,8 @@ def first_step(steps: Iterator[Any]) -> Any:
     """Take the app's first step by hand: what it yielded to the event loop, or `DONE`.
 
     A `for` loop ends without a `StopIteration` reaching Python when the app returns, the
-    cheapest way to run a coroutine one step outside a task.
+    cheapest way to run a coroutine one step outside a task. The price: what an app returns
+    without ever awaiting is not seen (the middleware returns None for it).
     """
     for step in steps:
         return step
@@ -80,17 +81,17 @@ class AsyncioDriver:
         self.options = options
         self.tracking = tracking
 
-    def start(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None] | None:
+    def start(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[Any] | None:
         """Run the app's first step in the middleware's own frame. Returns None when the
-        request is over, else what the middleware must await for the rest of it."""
+        request is over, else what the middleware must await for the rest of it (which returns
+        what the app returned)."""
         cycle = new_cycle(scope, receive, send, self.options, new_runner)
         if self.tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = self.tracking.begin(cycle)
             if refused is not None:
                 cycle.finished()
                 return refused
-            tracked: AsyncioRunner = cycle.ensure_runner()  # type: ignore[assignment]
-            tracked.track(self.tracking)
+            runner_of(cycle).track(self.tracking)
         coroutine = self.app(scope, cycle.receive, cycle.send)
         steps = coroutine.__await__()
         try:
@@ -125,9 +126,16 @@ def watch_after(cycle: Cycle, delay: float) -> asyncio.TimerHandle | None:
     return loop.call_later(delay, start_watching, cycle, context=_NO_CONTEXT)
 
 
+def runner_of(cycle: Cycle) -> AsyncioRunner:
+    """The cycle's runner (made on first need), as the asyncio driver's own type."""
+    runner = cycle.ensure_runner()
+    assert isinstance(runner, AsyncioRunner)
+    return runner
+
+
 def start_watching(cycle: Cycle) -> None:
     if cycle.disconnect is None and cycle.state is not _FINISHED:
-        runner: AsyncioRunner = cycle.ensure_runner()  # type: ignore[assignment]
+        runner = runner_of(cycle)
         if runner.watcher is None:
             runner.watcher = runner.task.get_loop().create_task(cycle.watch())
 
@@ -140,9 +148,10 @@ def _rest_of_request(
     timer: asyncio.TimerHandle | None = None,
     *,
     error: BaseException | None = None,
-) -> Generator[Any, Any, None]:
+) -> Generator[Any, Any, Any]:
     """The rest of a request: go on with the app from `step` (what its first step yielded),
     decide what a `CancelledError` means, end the request, complete a cancelled response.
+    Returns what the app returned.
 
     A generator-based coroutine: it goes on with the app itself, with no frame of ours between
     the task and the app once resumed (`yield from`).
@@ -150,6 +159,7 @@ def _rest_of_request(
     # Let go by finished(); a cancelled request's end still needs them.
     receive, send = cycle.real_receive, cycle.real_send
     outside = failed = False
+    result = None
     try:
         if error is not None:
             raise error
@@ -162,10 +172,11 @@ def _rest_of_request(
             except BaseException as exc:
                 try:
                     step = app.throw(exc)
-                except StopIteration:
+                except StopIteration as returned:
+                    result = returned.value
                     break
             else:
-                yield from app
+                result = yield from app
                 break
     except asyncio.CancelledError:
         if not absorbs_cancellation(cycle):
@@ -178,8 +189,9 @@ def _rest_of_request(
         if timer is not None:
             timer.cancel()
         cycle.app_task = cycle.app_awaitable = None
-        runner: AsyncioRunner | None = cycle.finished()  # type: ignore[assignment]
+        runner = cycle.finished()
         if runner is not None:  # tasks are left: the watcher, an on_cancel callback's
+            assert isinstance(runner, AsyncioRunner)
             try:
                 yield from runner.wait_for_tasks(outside).__await__()
             except asyncio.CancelledError:
@@ -189,6 +201,7 @@ def _rest_of_request(
                     raise
     if cycle.cancelled:
         yield from _bounded(complete_cancelled(cycle, receive, send)).__await__()
+    return result
 
 
 def runs_the_request(task: asyncio.Task[Any]) -> bool:
@@ -208,9 +221,10 @@ def absorbs_cancellation(cycle: Cycle) -> bool:
     task too (`uncancel()`); or when the app raised it itself once the token had fired
     (`raise_if_cancelled()` in a worker thread) and no outside cancellation is pending.
     """
-    runner: AsyncioRunner | None = cycle.runner  # type: ignore[assignment]
+    runner = cycle.runner
     if runner is None:
         return False  # the token fires only through a runner: nothing of ours happened
+    assert isinstance(runner, AsyncioRunner)
     if runner.cancel_issued:
         runner.cancel_issued = False
         return not uncancel(runner.task)
@@ -437,7 +451,14 @@ class AsyncioRunner:
             # Dropped first: the cancelled task's traceback holds watch()'s frame, which
             # holds the cycle, so keeping it would leave a reference cycle for the GC.
             self.watcher = None
-            watcher.cancel()
+            if outside or not woken(watcher):
+                watcher.cancel()
+            else:
+                # Its wait is over (uvicorn answers the watcher's receive() once the response
+                # is complete): its next step, already due, ends it (the request is finished),
+                # with no CancelledError through its frames; should it wait again, it is
+                # cancelled then.
+                watcher.get_loop().call_soon(watcher.cancel)
             if not outside:
                 interrupted = await _wait_out([watcher])
         spawned = self.spawned

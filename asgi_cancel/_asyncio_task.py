@@ -74,6 +74,13 @@ def thread_future(task: asyncio.Task[Any], app_awaitable: Any) -> Any:
     return None
 
 
+def woken(task: asyncio.Task[Any]) -> bool:
+    """Whether `task` is due to take a step (what it waited on is done, or it waits on nothing)
+    rather than suspended on a pending future."""
+    waiter = getattr(task, "_fut_waiter", None)
+    return waiter is None or waiter.done()
+
+
 def in_anyio_shield(task: asyncio.Task[Any]) -> bool:
     """Whether `task` runs in an anyio shielded scope.
 

@@ -228,13 +228,14 @@ class Cycle:
             # The client is gone. Dropping is what every server does, except hypercorn over
             # HTTP/2 after the TCP connection closed, where send() would hang forever.
             return _dropped()
+        self.last_sent = message
         if self.first_sent is None:
             self.first_sent = message
-        self.last_sent = message
-        real_send = self.real_send
-        sending = self.sending = real_send(message)
-        if self.holding:  # the watcher waits for the server to have taken the response start
-            return self._wake_after(sending)
+            sending = self.sending = self.real_send(message)
+            if self.holding:  # the watcher waits for the server to have taken the response start
+                return self._wake_after(sending)
+            return sending
+        sending = self.sending = self.real_send(message)
         return sending
 
     async def _wake_after(self, sending: Awaitable[None]) -> None:

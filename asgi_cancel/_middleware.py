@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._asyncio import AsyncioDriver
 from ._registry import CancelRegistry
@@ -140,16 +140,17 @@ class CancelOnDisconnectMiddleware:
         self._asyncio = AsyncioDriver(app, self, tracking)
         self._trio: TrioDriver | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
+        # What the app returned is returned: servers report an ASGI app that returns a value.
         if scope["type"] != "http" or (self.exclude is not None and self.exclude(scope)):
-            await self.app(scope, receive, send)
-        elif _get_running_loop() is not None:
+            return await self.app(scope, receive, send)
+        if _get_running_loop() is not None:
             rest = self._asyncio.start(scope, receive, send)
             if rest is not None:  # the app yielded: it is watched, and the rest awaited here
-                await rest
-        else:
-            if self._trio is None:
-                from ._trio import TrioDriver  # trio is imported only when it runs
+                return await rest
+            return None
+        if self._trio is None:
+            from ._trio import TrioDriver  # trio is imported only when it runs
 
-                self._trio = TrioDriver(self.app, self, self._tracking)
-            await self._trio.run(scope, receive, send)
+            self._trio = TrioDriver(self.app, self, self._tracking)
+        return await self._trio.run(scope, receive, send)

@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Awaitable
 from time import monotonic
+from typing import Any
 
 import trio
 
@@ -33,7 +34,8 @@ class TrioDriver:
         self.options = options
         self.tracking = tracking
 
-    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def run(self, scope: Scope, receive: Receive, send: Send) -> Any:
+        """Run one request; returns what the app returned."""
         cycle = new_cycle(scope, receive, send, self.options, TrioRunner)
         tracking = self.tracking
         if tracking is not None:  # ids or deadlines: only when the options ask for them
@@ -41,11 +43,12 @@ class TrioDriver:
             if refused is not None:
                 cycle.finished()
                 await refused
-                return
+                return None
             send = cycle.real_send  # its completion, too, carries the request's id
         runner: TrioRunner = cycle.ensure_runner()  # type: ignore[assignment]
         token = cycle.token
         error: BaseException | None = None
+        result = None
         try:
             async with trio.open_nursery() as nursery:
                 runner.nursery = nursery
@@ -54,7 +57,7 @@ class TrioDriver:
                 nursery.start_soon(runner.watch_in_scope)
                 try:
                     with runner.app_scope:
-                        await self.app(scope, cycle.receive, cycle.send)
+                        result = await self.app(scope, cycle.receive, cycle.send)
                 except asyncio.CancelledError:
                     # raise_if_cancelled() in a worker thread: asyncio's exception, trio's
                     # meaning.
@@ -79,6 +82,7 @@ class TrioDriver:
                 await complete_cancelled(cycle, receive, send)
             if bound.cancelled_caught:
                 logger.debug("asgi_cancel: the server's send did not return; not completing")
+        return result
 
 
 class TrioRunner:

@@ -24,7 +24,7 @@ from asgi_cancel import (
     shield,
 )
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import ASGIApp, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
 from .helpers import (
     QueueServer,
@@ -190,6 +190,56 @@ async def test_outside_cancel_during_finish_leaves_no_task_behind() -> None:
     finally:
         release.set()
         await asyncio.sleep(0.01)
+
+
+# -- the watcher's end -------------------------------------------------------------------------
+WATCHER_ENDS = {
+    # uvicorn: the watcher's receive() is answered once the response is complete
+    "answered at the response's end": (True, False, "finished"),
+    # a server that answers it, then waits again in the same call: cancelled after its step
+    "answered, then waits again": (True, True, "cancelled"),
+    # hypercorn, daphne: still pending when the request ends
+    "still pending": (False, False, "cancelled"),
+}
+
+
+@pytest.mark.parametrize(("answers", "again", "end"), WATCHER_ENDS.values(), ids=WATCHER_ENDS)
+async def test_the_watcher_ends_by_itself_once_its_receive_is_answered(
+    answers: bool, again: bool, end: str
+) -> None:
+    loop = asyncio.get_running_loop()
+    complete = asyncio.Event()
+    calls = 0
+    ends: list[str] = []
+
+    async def receive() -> Message:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        try:
+            await (complete.wait() if answers else loop.create_future())
+            if again:
+                await loop.create_future()
+        except asyncio.CancelledError:
+            ends.append("cancelled")
+            raise
+        ends.append("finished")
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if not message.get("more_body", False) and message["type"] == "http.response.body":
+            complete.set()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await until(lambda: calls == 2)  # watched, its receive pending
+        await respond(send)
+
+    before = asyncio.all_tasks()
+    middleware = CancelOnDisconnectMiddleware(app, watch_delay=0)
+    await with_watchdog(middleware(http_scope("GET"), receive, send))
+    assert ends == [end]
+    assert asyncio.all_tasks() - before == set()
 
 
 # -- the first step taken by hand; freed by reference counting ----------------------------------

@@ -22,7 +22,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from asgi_cancel import _asyncio_task
-from asgi_cancel._asyncio_task import in_anyio_shield, reacting, thread_future
+from asgi_cancel._asyncio_task import in_anyio_shield, reacting, thread_future, woken
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyncio"])]
 
@@ -57,6 +57,20 @@ async def test_a_task_waiting_on_a_future_exposes_it_as_fut_waiter(anyio_backend
     assert getattr(task, "_fut_waiter", None) is not None, "asyncio.Task._fut_waiter moved"
     future.set_result(None)
     await task
+
+
+async def test_a_task_is_woken_once_what_it_waits_on_is_done(anyio_backend: str) -> None:
+    # woken() reads `_fut_waiter`: the watcher whose wait is over ends by itself, uncancelled.
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    task = loop.create_task(asyncio.wait_for(future, None))
+    assert woken(task)  # created: its first step is due
+    await asyncio.sleep(0)
+    assert not woken(task), "Task._fut_waiter: not the pending future the task waits on"
+    future.set_result(None)
+    assert woken(task)  # its wake-up is due, not yet run
+    await task
+    assert woken(task)
 
 
 async def test_run_in_executor_is_seen_through_chain_futures_callback(anyio_backend: str) -> None:

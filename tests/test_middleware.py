@@ -127,6 +127,35 @@ async def test_app_exception_propagates_unchanged() -> None:
     assert info.value is error
 
 
+RETURNS = {
+    # (scope type, path, the app awaits before returning)
+    "http, after awaiting": ("http", "/", True),
+    "http, excluded": ("http", "/health", False),
+    "lifespan, passed through": ("lifespan", "/", False),
+}
+
+
+@pytest.mark.parametrize(("scope_type", "path", "awaits"), RETURNS.values(), ids=RETURNS)
+async def test_what_the_app_returned_reaches_the_server(
+    scope_type: str, path: str, awaits: bool
+) -> None:
+    # A server reports an app that returns a value ("ASGI callable should return None"):
+    # behind the middleware it must still see it.
+    async def app(scope: Scope, receive: Receive, send: Send) -> object:
+        if awaits:
+            await anyio.sleep(0.001)
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+        return "a value"
+
+    conn = ClientConnection()
+    scope = http_scope("GET", path) if scope_type == "http" else {"type": scope_type}
+    middleware = CancelOnDisconnectMiddleware(app, exclude=("/health",))
+    result = await with_watchdog(middleware(scope, conn.receive, conn.send))
+    assert result == "a value"
+
+
 async def test_middleware_wrapped_twice_cancels_once_and_returns_normally() -> None:
     events: list[str] = []
     tokens: list[CancelToken] = []
