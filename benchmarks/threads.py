@@ -11,8 +11,9 @@ token): the milliseconds from the close to the generation's end, the tokens made
 close, and the time to first token of a request sent right after the close, which queues
 behind the departed one (one generation at a time). The FastAPI patterns are those of
 tests/threads/_app.py; `transformers serve` runs in this process, alone and with the recipe of
-docs/threads.md (`serve_recipe`, tests/threads/_serve.py). Bounded: each generation is at most
-`--max-new-tokens`.
+docs/threads.md (`serve_recipe`, tests/threads/_serve.py); `--continuous-batching` adds its
+batched server (tokens counted by its batch manager; the next request joins the batch rather
+than queue). Bounded: each generation is at most `--max-new-tokens`.
 """
 
 from __future__ import annotations
@@ -58,12 +59,21 @@ def row(path: str, label: str, measured: dict[str, Any]) -> list[object]:
 
 # -- transformers serve (tests/threads/_serve.py) ------------------------------------------------
 def serve_rows(model: Path, max_new_tokens: int, **options: Any) -> list[list[object]]:
-    from tests.threads._serve import Generations, serve_departure, serve_recipe, serving
+    from tests.threads._serve import (
+        BatchedGenerations,
+        Generations,
+        serve_departure,
+        serve_recipe,
+        serving,
+    )
 
     transformers: Any = importlib.import_module("transformers")
-    generations = Generations(transformers.LlamaForCausalLM)
+    batched = bool(options.get("continuous_batching"))
+    generations: Any = (
+        BatchedGenerations() if batched else Generations(transformers.LlamaForCausalLM)
+    )
     rows: list[list[object]] = []
-    suffix = ", continuous batching" if options.get("continuous_batching") else ""
+    suffix = ", continuous batching" if batched else ""
     for label in ("alone", "asgi-cancel"):
         undo = serve_recipe() if label == "asgi-cancel" else None
         try:
@@ -85,6 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="300 tokens per generation")
     parser.add_argument("--no-serve", action="store_true", help="skip `transformers serve`")
+    parser.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="also `transformers serve --continuous-batching`",
+    )
+    parser.add_argument("--no-fastapi", action="store_true", help="skip the FastAPI rows")
     args = parser.parse_args(argv)
     max_new_tokens = 300 if args.quick else args.max_new_tokens
     with warnings.catch_warnings():
@@ -92,9 +108,13 @@ def main(argv: list[str] | None = None) -> None:
         torch: Any = importlib.import_module("torch")
     torch.set_num_threads(1)
     started = time.monotonic()
-    rows = fastapi_rows(args.model, max_new_tokens)
+    rows = [] if args.no_fastapi else fastapi_rows(args.model, max_new_tokens)
     if not args.no_serve:
         rows += serve_rows(args.model, max_new_tokens)
+    if args.continuous_batching:
+        # A small KV cache: by default sized from the free memory (~20 GB here: OOM-killed).
+        cb = {"continuous_batching": True, "cb_block_size": 32, "cb_num_blocks": 256}
+        rows += serve_rows(args.model, max_new_tokens, **cb)
     headers = ["path", "", "close -> stopped (ms)", "tokens after close", "next TTFT (ms)"]
     emit(table(headers, rows))
     emit(

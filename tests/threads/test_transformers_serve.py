@@ -5,9 +5,10 @@ The server runs in this process on the tiny random-weight Llama; a raw socket cl
 engine made `LEAVE_AFTER` tokens, counted from the engine's side (a stopping criterion probed
 into every `generate()`). Alone, the non-streaming route runs to `max_tokens` for a client that
 left; with the recipe it stops within a few tokens. Streaming stops in both: transformers'
-SSE generator cancels its streamer when it is closed. Skipped where transformers or
-accelerate is missing (the main venv); under .ci/vllm.sh (`ASGI_CANCEL_REQUIRE_VLLM=1`) that
-is a failure.
+SSE generator cancels its streamer when it is closed. The same with `--continuous-batching`,
+counted from the batch manager's tokens (tests/threads/_serve.py, `BatchedGenerations`).
+Skipped where transformers or accelerate is missing (the main venv); under .ci/vllm.sh
+(`ASGI_CANCEL_REQUIRE_VLLM=1`) that is a failure.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ with warnings.catch_warnings():
 
     from ..vllm._harness import tiny_model
     from ._measure import LEAVE_AFTER
-    from ._serve import Generations, serve_departure, serve_recipe, serving
+    from ._serve import BatchedGenerations, Generations, serve_departure, serve_recipe, serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.servers, pytest.mark.timeout(120)]
 
@@ -49,19 +50,28 @@ MAX_TOKENS_AFTER_CLOSE = 4
 
 
 @pytest.fixture(scope="module")
-def generations() -> Iterator[Generations]:
+def generations() -> Iterator[tuple[Generations, BatchedGenerations]]:
     torch.set_num_threads(1)  # one core for the generation, one for the loop and the client
-    probed = Generations(transformers.LlamaForCausalLM)
+    probed = Generations(transformers.LlamaForCausalLM), BatchedGenerations()
     yield probed
-    probed.restore()
+    for probe in probed:
+        probe.restore()
 
 
-@pytest.fixture(scope="module", params=["alone", "recipe"])
-def server(request: pytest.FixtureRequest, generations: Generations) -> Iterator[tuple[str, int]]:
-    undo = serve_recipe() if request.param == "recipe" else None
+@pytest.fixture(
+    scope="module",
+    params=["alone", "recipe", "alone-batched", "recipe-batched"],
+)
+def server(
+    request: pytest.FixtureRequest, generations: tuple[Generations, BatchedGenerations]
+) -> Iterator[tuple[str, int, Generations | BatchedGenerations]]:
+    mode, _, batched = request.param.partition("-")
+    # --continuous-batching, with a small KV cache: by default it takes most of the free memory.
+    options = {"continuous_batching": True, "cb_block_size": 32, "cb_num_blocks": 256}
+    undo = serve_recipe() if mode == "recipe" else None
     try:
-        with serving(tiny_model()) as port:
-            yield request.param, port
+        with serving(tiny_model(), **(options if batched else {})) as port:
+            yield mode, port, generations[1 if batched else 0]
     finally:
         if undo is not None:
             undo()
@@ -69,13 +79,14 @@ def server(request: pytest.FixtureRequest, generations: Generations) -> Iterator
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
 def test_a_departed_client_stops_the_generation_only_with_the_recipe(
-    server: tuple[str, int], generations: Generations, stream: bool
+    server: tuple[str, int, Generations | BatchedGenerations], stream: bool
 ) -> None:
-    mode, port = server
+    mode, port, generations = server
     measured = serve_departure(port, generations, tiny_model(), stream, MAX_NEW_TOKENS, timeout=30)
     assert measured["tokens"] >= LEAVE_AFTER, measured
     if mode == "alone" and not stream:
-        # The control: nothing stops the inference thread's generate().
+        # The control: nothing stops the inference thread's generate(), nor the request in the
+        # batch.
         assert measured["tokens"] == MAX_NEW_TOKENS, measured
         assert measured["tokens_after_close"] >= MAX_NEW_TOKENS - LEAVE_AFTER - 10, measured
     else:
