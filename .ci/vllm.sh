@@ -105,8 +105,10 @@ took "model"
 
 step "tests"
 tests=(tests/vllm tests/test_vllm_adapter.py)
-# transformers' generate() in worker threads (torch and transformers come with vLLM), ~15 s.
-tests+=(tests/threads/test_transformers.py)
+# transformers' generate() in worker threads (torch and transformers come with vLLM), ~15 s;
+# `transformers serve` with the recipe of docs/threads.md, with and without continuous batching
+# (accelerate, installed above), 4 server starts, ~10 s.
+tests+=(tests/threads/test_transformers.py tests/threads/test_transformers_serve.py)
 # The example app's real-vLLM test runs only here too (its own engine, after ours).
 [ -f example_app/tests/test_vllm_engine.py ] && tests+=(example_app/tests/test_vllm_engine.py)
 report="$(mktemp "${TMPDIR:-/tmp}/asgi-cancel-vllm-report.XXXXXX.json")"

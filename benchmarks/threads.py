@@ -11,16 +11,15 @@ token): the milliseconds from the close to the generation's end, the tokens made
 close, and the time to first token of a request sent right after the close, which queues
 behind the departed one (one generation at a time). The FastAPI patterns are those of
 tests/threads/_app.py; `transformers serve` runs in this process, alone and with the recipe of
-docs/threads.md (`serve_recipe`). Bounded: each generation is at most `--max-new-tokens`.
+docs/threads.md (`serve_recipe`, tests/threads/_serve.py); `--continuous-batching` adds its
+batched server (tokens counted by its batch manager; the next request joins the batch rather
+than queue). Bounded: each generation is at most `--max-new-tokens`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import functools
 import importlib
-import socket
 import threading
 import time
 import warnings
@@ -29,7 +28,6 @@ from typing import Any
 
 from ._util import ROOT, emit, fmt, table
 
-PROMPT = "Tell me a long story about a llama that runs on a CPU."
 LEAVE_AFTER = 20
 
 
@@ -59,131 +57,36 @@ def row(path: str, label: str, measured: dict[str, Any]) -> list[object]:
     ]
 
 
-# -- transformers serve -----------------------------------------------------------------------
-def serve_recipe() -> None:
-    """`transformers serve` behind asgi-cancel: call before `Serve(...)` (docs/threads.md)."""
-    server: Any = importlib.import_module("transformers.cli.serving.server")
-    GenerateManager: Any = importlib.import_module("transformers.cli.serving.utils").GenerateManager
-
-    from asgi_cancel import CancelOnDisconnectMiddleware
-    from asgi_cancel.transformers import CancelCriteria
-
-    build_server = server.build_server
-    server.build_server = lambda *args, **kwargs: CancelOnDisconnectMiddleware(
-        build_server(*args, **kwargs)
+# -- transformers serve (tests/threads/_serve.py) ------------------------------------------------
+def serve_rows(model: Path, max_new_tokens: int, **options: Any) -> list[list[object]]:
+    from tests.threads._serve import (
+        BatchedGenerations,
+        Generations,
+        serve_departure,
+        serve_recipe,
+        serving,
     )
-    # Streaming stops once the middleware cancels the response (transformers' own
-    # streamer.cancel()); a non-streaming generate() in its thread needs the token.
-    generate_non_streaming = GenerateManager.generate_non_streaming
-
-    async def stopped_by_the_token(
-        self: Any, model: Any, processor: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        inputs = {**inputs, "stopping_criteria": [CancelCriteria()]}  # made in the request
-        # Shielded: transformers' inference thread sets the result of the future it was given
-        # without checking that it was cancelled (an InvalidStateError in the log).
-        return await asyncio.shield(
-            generate_non_streaming(self, model, processor, inputs, *args, **kwargs)
-        )
-
-    GenerateManager.generate_non_streaming = stopped_by_the_token
-
-
-class Generations:
-    """Every `generate()` in the process, in order: when each token was made, when it ended."""
-
-    def __init__(self, model_class: Any) -> None:
-        self.steps: list[list[float]] = []
-        self.ended: list[float | None] = []
-        generate = model_class.generate
-        generations = self
-
-        def probe_generate(model: Any, *args: Any, **kwargs: Any) -> Any:
-            steps: list[float] = []
-            generations.steps.append(steps)
-            generations.ended.append(None)
-            index = len(generations.steps) - 1
-
-            def probe(input_ids: Any, scores: Any, **_: Any) -> Any:
-                steps.append(time.monotonic())
-                return input_ids.new_zeros((input_ids.shape[0],)).bool()
-
-            config = kwargs.get("generation_config")
-            if config is not None and config.max_new_tokens:
-                config.min_new_tokens = config.max_new_tokens  # no early EOS (a random model)
-            given = list(kwargs.pop("stopping_criteria", None) or [])
-            try:
-                return generate(model, *args, stopping_criteria=[*given, probe], **kwargs)
-            finally:
-                generations.ended[index] = time.monotonic()
-
-        model_class.generate = probe_generate
-
-
-def serve_rows(model: Path, max_new_tokens: int) -> list[list[object]]:
-    from tests.vllm._harness import free_port, wait_for
 
     transformers: Any = importlib.import_module("transformers")
-    serve_module: Any = importlib.import_module("transformers.cli.serve")
-    generations = Generations(transformers.LlamaForCausalLM)
+    batched = bool(options.get("continuous_batching"))
+    generations: Any = (
+        BatchedGenerations() if batched else Generations(transformers.LlamaForCausalLM)
+    )
     rows: list[list[object]] = []
+    suffix = ", continuous batching" if batched else ""
     for label in ("alone", "asgi-cancel"):
-        if label == "asgi-cancel":
-            serve_recipe()
-        port = free_port()
-        serve = serve_module.Serve(
-            str(model), host="127.0.0.1", port=port, device="cpu", non_blocking=True
-        )
-        wait_for(functools.partial(_listening, port), 60, "transformers serve listening")
+        undo = serve_recipe() if label == "asgi-cancel" else None
         try:
-            for stream in (True, False):
-                measured = serve_departure(port, generations, model, stream, max_new_tokens)
-                kind = "stream" if stream else "non-stream"
-                rows.append(row(f"transformers serve {kind}", label, measured))
+            with serving(model, **options) as port:
+                for stream in (True, False):
+                    measured = serve_departure(port, generations, model, stream, max_new_tokens)
+                    kind = "stream" if stream else "non-stream"
+                    rows.append(row(f"transformers serve {kind}{suffix}", label, measured))
         finally:
-            serve.kill_server()
+            if undo is not None:
+                undo()
+    generations.restore()
     return rows
-
-
-def serve_departure(
-    port: int, generations: Generations, model: Path, stream: bool, max_new_tokens: int
-) -> dict[str, float]:
-    from tests.vllm._harness import RawClient, wait_for
-
-    payload = {
-        "model": str(model),
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": max_new_tokens,
-        "stream": stream,
-    }
-    start = len(generations.steps)
-    client = RawClient(port).post("/v1/chat/completions", payload)
-    wait_for(lambda: len(generations.steps) > start, 60, "the generation's start")
-    steps = generations.steps[start]
-    wait_for(lambda: len(steps) >= LEAVE_AFTER, 60, "the first tokens")
-    closed_at = client.close()
-    sent_at = time.monotonic()
-    next_payload = {**payload, "max_tokens": 10, "stream": False}
-    with RawClient(port).post("/v1/chat/completions", next_payload) as follower:
-        wait_for(lambda: generations.ended[start] is not None, 120, "the generation's end")
-        wait_for(lambda: len(generations.steps) > start + 1, 120, "the next generation")
-        wait_for(lambda: generations.steps[start + 1] != [], 120, "the next first token")
-        follower.read_all(60)
-    ended = generations.ended[start]
-    assert ended is not None
-    return {
-        "close_to_stop_ms": (ended - closed_at) * 1000,
-        "tokens_after_close": sum(1 for at in steps if at > closed_at),
-        "next_ttft_ms": (generations.steps[start + 1][0] - sent_at) * 1000,
-    }
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-    except OSError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,6 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="300 tokens per generation")
     parser.add_argument("--no-serve", action="store_true", help="skip `transformers serve`")
+    parser.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="also `transformers serve --continuous-batching`",
+    )
+    parser.add_argument("--no-fastapi", action="store_true", help="skip the FastAPI rows")
     args = parser.parse_args(argv)
     max_new_tokens = 300 if args.quick else args.max_new_tokens
     with warnings.catch_warnings():
@@ -199,9 +108,13 @@ def main(argv: list[str] | None = None) -> None:
         torch: Any = importlib.import_module("torch")
     torch.set_num_threads(1)
     started = time.monotonic()
-    rows = fastapi_rows(args.model, max_new_tokens)
+    rows = [] if args.no_fastapi else fastapi_rows(args.model, max_new_tokens)
     if not args.no_serve:
         rows += serve_rows(args.model, max_new_tokens)
+    if args.continuous_batching:
+        # A small KV cache: by default sized from the free memory (~20 GB here: OOM-killed).
+        cb = {"continuous_batching": True, "cb_block_size": 32, "cb_num_blocks": 256}
+        rows += serve_rows(args.model, max_new_tokens, **cb)
     headers = ["path", "", "close -> stopped (ms)", "tokens after close", "next TTFT (ms)"]
     emit(table(headers, rows))
     emit(
