@@ -15,6 +15,7 @@ import anyio
 import anyio.lowlevel
 import httpx
 
+from ._validate import seconds
 from .types import AnyASGIApp, Message, Scope
 
 # What the app may send ahead of the client's reads before `send()` waits: uvicorn's high-water
@@ -66,6 +67,7 @@ class _Exchange:
         self.status: int | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.app_error: BaseException | None = None
+        self.upload_error: Exception | None = None  # raised by the request body's iterator
         self.closed = False  # by the client's side: finish() ran
         self._uploaded: deque[bytes] = deque()  # request body read from the client, not received
         self._upload_done = False
@@ -97,13 +99,18 @@ class _Exchange:
         # The client's side of the body, in its own task so that a receive() cancelled by the
         # app (or interrupted by the disconnect) loses no chunk of an async-iterator body.
         with self._upload_scope:
-            async for chunk in self._request_body:
-                if not chunk:
-                    continue
-                self._uploaded.append(chunk)
-                self._notify()
-                while len(self._uploaded) > 1:  # one ahead: the last chunk ends the body
-                    await self._wait_changed()
+            try:
+                async for chunk in self._request_body:
+                    if not chunk:
+                        continue
+                    self._uploaded.append(chunk)
+                    self._notify()
+                    while len(self._uploaded) > 1:  # one ahead: the last chunk ends the body
+                        await self._wait_changed()
+            except Exception as exc:  # the body's own error: to the app, a dropped connection
+                self.upload_error = exc
+                self.leave()
+                return
             self._upload_done = True
             self._notify()
 
@@ -151,7 +158,12 @@ class _Exchange:
 
     # -- the client's side ----------------------------------------------------------------------
     async def wait_response_start(self, read_timeout: float | None) -> None:
-        await self._wait(lambda: self.status is not None or self.finished.is_set(), read_timeout)
+        await self._wait(
+            lambda: (
+                self.status is not None or self.finished.is_set() or self.upload_error is not None
+            ),
+            read_timeout,
+        )
 
     async def next_chunk(self, read_timeout: float | None) -> bytes | None:
         """The next body chunk; None at the end of the body."""
@@ -266,10 +278,7 @@ class ASGITransport(httpx.AsyncBaseTransport):
         exit_timeout: float = 5.0,
         after_disconnect: Literal["block", "replay"] = "block",
     ) -> None:
-        if isinstance(exit_timeout, bool) or not (
-            isinstance(exit_timeout, (int, float)) and 0 < exit_timeout < math.inf
-        ):
-            raise ValueError(f"exit_timeout must be a finite number > 0, got {exit_timeout!r}")
+        exit_timeout = seconds("exit_timeout", exit_timeout, positive=True)
         if after_disconnect not in ("block", "replay"):
             raise ValueError(
                 f"after_disconnect must be 'block' or 'replay', got {after_disconnect!r}"
@@ -307,6 +316,9 @@ class ASGITransport(httpx.AsyncBaseTransport):
         except BaseException as exc:  # a timeout, or the caller cancelled: the client leaves
             await self.finish(exchange, exc)
             raise
+        if exchange.upload_error is not None:  # raised on the call, as httpx's transport does
+            await self.finish(exchange, exchange.upload_error)
+            raise exchange.upload_error
         if exchange.status is None:  # the app ended without a response
             await self.finish(exchange)
             if exchange.app_error is None:

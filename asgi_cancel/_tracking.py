@@ -218,6 +218,9 @@ class SendWithId:
             cycle.real_send = send
         header = self.header
         headers = message.get("headers", ())
+        if not isinstance(headers, (list, tuple)):  # any iterable: read once, here
+            headers = list(headers)
+            message = {**message, "headers": headers}
         for name, _ in headers:
             if name.lower() == header:
                 return send(message)

@@ -23,6 +23,7 @@ from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
 from ._token import CancelToken, find_token
+from ._validate import seconds
 
 __all__ = ["CancelCriteria", "Generation", "TextQueueStreamer", "generate_in_thread"]
 
@@ -284,10 +285,9 @@ def generate_in_thread(
         The started `Generation`.
 
     Raises:
-        ValueError: `join_timeout` is negative.
+        ValueError: `join_timeout` is not a finite number of seconds >= 0.
     """
-    if join_timeout < 0:
-        raise ValueError(f"join_timeout must be >= 0, got {join_timeout!r}")
+    join_timeout = seconds("join_timeout", join_timeout)
     criteria = CancelCriteria(token)
     given = kwargs.get("stopping_criteria")
     # A `StoppingCriteriaList` stays one (a copy: the caller's list is left as it was).

@@ -96,6 +96,21 @@ async def test_an_id_the_app_set_itself_is_kept_and_ours_not_added() -> None:
     assert response_headers(conn) == [(b"X-Request-Id", b"the-apps-own")]
 
 
+@pytest.mark.parametrize("own_id", [False, True], ids=["ours-added", "the-apps-kept"])
+async def test_headers_given_as_a_one_shot_iterable_are_all_sent(own_id: bool) -> None:
+    """ASGI allows any iterable of headers: a generator is read once, and none is lost."""
+    names = [b"content-type", b"x-request-id"] if own_id else [b"content-type"]
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = ((name, b"app-" + name) for name in names)  # a generator
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    conn = await served(app, with_header(b"client-7"), registry=CancelRegistry())
+    expected = [(name, b"app-" + name) for name in names]
+    assert response_headers(conn) == expected + ([] if own_id else [(b"x-request-id", b"client-7")])
+
+
 async def test_the_apps_headers_are_not_changed_in_place() -> None:
     shared: list[tuple[bytes, bytes]] = [(b"content-type", b"text/plain")]
 

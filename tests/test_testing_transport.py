@@ -473,3 +473,28 @@ def test_without_httpx_the_transport_names_its_extra_and_client_connection_still
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         asgi_cancel.testing.Nope  # noqa: B018
+
+
+async def test_a_request_body_that_raises_is_raised_on_the_call_and_the_app_sees_a_disconnect() -> (
+    None
+):
+    """The body's iterator fails mid-upload: to the app, the connection dropped (it is told,
+    not left waiting for the rest of the body); to the client, the iterator's error."""
+    received: list[Message] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        while True:
+            received.append(await receive())
+            if received[-1]["type"] == "http.disconnect":
+                return
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"a"
+        raise OSError("the file went away")
+
+    async with httpx.AsyncClient(transport=ASGITransport(app), base_url="http://t") as client:
+        with anyio.fail_after(5):  # the watchdog: this hung before
+            with pytest.raises(OSError, match="the file went away"):
+                await client.post("/", content=body())
+    assert received[-1]["type"] == "http.disconnect"
+    assert all(m["more_body"] for m in received[:-1]), "never told the body was whole"
