@@ -237,7 +237,7 @@ async def _bounded(completion: Awaitable[None]) -> None:
     try:
         await asyncio.wait_for(completion, COMPLETION_TIMEOUT)
     except asyncio.TimeoutError:
-        logger.debug("asgi_cancel: the server's send did not return; not completing the response")
+        logger.debug("the server's send did not return; not completing the response")
 
 
 def new_runner(cycle: Cycle) -> AsyncioRunner:
@@ -402,7 +402,7 @@ class AsyncioRunner:
         elif reacting(self.task, cycle):
             # The app reacted by cancelling its own work (Django, Quart, Starlette's stream
             # listener): that cleanup is the app's, however long it takes. No second cancel.
-            logger.debug("asgi_cancel: the app handles the disconnect itself")
+            logger.debug("the app handles the disconnect itself")
         else:
             cycle.token.cancel_app()  # it listened and ignored the disconnect
 
@@ -470,7 +470,7 @@ class AsyncioRunner:
             spawned.difference_update(tasks)
             for task in tasks:
                 if not task.cancelled() and task.exception() is not None:
-                    logger.error("asgi_cancel: on_cancel task failed", exc_info=task.exception())
+                    logger.error("on_cancel task failed", exc_info=task.exception())
         self.spawned = _CLOSED
         if interrupted:
             raise asyncio.CancelledError

@@ -338,14 +338,14 @@ class Cycle:
             if paused_reading(receive):
                 # uvicorn paused reading for a pipelined request: a receive() would resume it.
                 # Its own calls are the app's, as without the middleware.
-                logger.debug("asgi_cancel: the server paused reading; not watching")
+                logger.debug("the server paused reading; not watching")
                 return
             self.reading = True
             try:
                 message = await receive()
             except Exception:
                 # The app will meet the same error on its own receive; watching is over.
-                logger.debug("asgi_cancel: server receive() raised; not watching", exc_info=True)
+                logger.debug("server receive() raised; not watching", exc_info=True)
                 return
             finally:
                 self.reading = False
@@ -360,7 +360,7 @@ class Cycle:
                         # Some servers send an empty extra http.request after the body.
                         extra += 1
                         if extra > _MAX_EXTRA_REQUESTS:
-                            logger.debug("asgi_cancel: server keeps sending http.request")
+                            logger.debug("server keeps sending http.request")
                             return
                         continue
                 elif not message.get("more_body", False):

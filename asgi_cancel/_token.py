@@ -266,7 +266,7 @@ class CancelToken:
                 try:
                     callback()
                 except Exception:
-                    logger.exception("asgi_cancel: on_finished callback %r raised", callback)
+                    logger.exception("on_finished callback %r raised", callback)
 
     def _run_callback(
         self, callback: Callable[[], object], context: contextvars.Context | None
@@ -276,7 +276,7 @@ class CancelToken:
         except (Exception, asyncio.CancelledError):
             # CancelledError too (on_cancel(token.raise_if_cancelled)): it must not stop the
             # other callbacks, nor the app's cancellation that follows.
-            logger.exception("asgi_cancel: on_cancel callback %r raised", callback)
+            logger.exception("on_cancel callback %r raised", callback)
             return
         if inspect.isawaitable(result):
             if self._canceller is not None:

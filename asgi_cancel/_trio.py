@@ -81,7 +81,7 @@ class TrioDriver:
             with trio.move_on_after(COMPLETION_TIMEOUT) as bound:
                 await complete_cancelled(cycle, receive, send)
             if bound.cancelled_caught:
-                logger.debug("asgi_cancel: the server's send did not return; not completing")
+                logger.debug("the server's send did not return; not completing")
         return result
 
 
@@ -194,10 +194,10 @@ class TrioRunner:
             try:
                 await awaitable
             except Exception:
-                logger.exception("asgi_cancel: on_cancel task failed")
+                logger.exception("on_cancel task failed")
 
         if self.nursery is None:
-            logger.warning("asgi_cancel: on_cancel awaitable after the request ended; not run")
+            logger.warning("on_cancel awaitable after the request ended; not run")
             if inspect.iscoroutine(awaitable):
                 awaitable.close()
             return

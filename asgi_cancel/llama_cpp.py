@@ -69,7 +69,7 @@ def _request_token(token: CancelToken | None, what: str) -> CancelToken | None:
         return current_token()
     except RuntimeError:
         logger.warning(
-            "asgi_cancel.llama_cpp: %s was made outside a request handled by "
+            "%s was made outside a request handled by "
             "CancelOnDisconnectMiddleware: it never stops the generation (in a "
             "threading.Thread, take current_token() in the request and pass token=)",
             what,
@@ -226,7 +226,7 @@ class _Watch:
         if not criterion.running:
             return
         logger.warning(
-            "asgi_cancel.llama_cpp: a generation is still running %.1fs after its request was "
+            "a llama.cpp generation is still running %.1fs after its request was "
             "cancelled, and has not asked its stopping criteria since (%d tokens generated "
             "before the cancel, none since): is the criterion passed to the call, and is the "
             "thread that runs it blocked or still waiting for the model?",

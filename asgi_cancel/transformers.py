@@ -227,7 +227,7 @@ class Generation(Generic[_ResultT]):
             if not self.left_running:
                 self.left_running = True
                 logger.warning(
-                    "asgi_cancel: a generate() thread still runs %.1fs after its request %s "
+                    "a generate() thread still runs %.1fs after its request %s "
                     "(it does not check CancelCriteria?); left running",
                     timeout or 0.0,
                     "stopped" if self.criteria.should_stop else "ended",
@@ -248,7 +248,7 @@ class Generation(Generic[_ResultT]):
         if not self.criteria.should_stop:
             raise error
         # Nobody waits for the outcome of a stopped generation; its error still shows.
-        logger.warning("asgi_cancel: a stopped generate() raised", exc_info=error)
+        logger.warning("a stopped generate() raised", exc_info=error)
 
 
 def generate_in_thread(
