@@ -195,6 +195,7 @@ class Generation(Generic[_ResultT]):
         if streamer is None:
             raise ValueError("iterating a Generation needs streamer= (a TextIteratorStreamer)")
         text_queue, stop_signal = streamer.text_queue, streamer.stop_signal
+        ended = False  # the thread said so: it may still be alive for a moment, finishing
         try:
             while True:
                 item = text_queue.get()
@@ -203,11 +204,12 @@ class Generation(Generic[_ResultT]):
                         break
                     continue  # a cancellation seen inside shield(): read on
                 if item is _ENDED:
+                    ended = True
                     break
                 if item is not stop_signal:  # after `end()`'s stop signal, the thread's end
                     yield item
         finally:
-            if self.thread.is_alive() and not self.criteria.should_stop:
+            if not ended and self.thread.is_alive() and not self.criteria.should_stop:
                 # The reader left early (closed): nobody reads what the thread would generate.
                 self.criteria.stop()
             self.result(self.join_timeout, raising=False)
