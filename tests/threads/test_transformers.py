@@ -10,7 +10,6 @@ main venv); under .ci/vllm.sh (`ASGI_CANCEL_REQUIRE_VLLM=1`) that is a failure.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import warnings
@@ -20,19 +19,12 @@ from typing import Any
 
 import pytest
 
-
-def _require(module: str) -> Any:
-    if os.environ.get("ASGI_CANCEL_REQUIRE_VLLM") == "1":
-        return importlib.import_module(module)
-    return pytest.importorskip(
-        module, reason=f"{module} is not installed (.ci/vllm.sh's venv has it)"
-    )
-
+from . import require
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # torch and transformers warn on import; not ours to fix
-    torch = _require("torch")
-    _require("transformers")
+    torch = require("torch")
+    require("transformers")
     from asgi_cancel import CancelToken
     from asgi_cancel.transformers import CancelCriteria
 

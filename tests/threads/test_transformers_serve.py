@@ -13,29 +13,19 @@ Skipped where transformers or accelerate is missing (the main venv); under .ci/v
 
 from __future__ import annotations
 
-import importlib
-import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-
-def _require(module: str) -> Any:
-    if os.environ.get("ASGI_CANCEL_REQUIRE_VLLM") == "1":
-        return importlib.import_module(module)
-    return pytest.importorskip(
-        module, reason=f"{module} is not installed (.ci/vllm.sh's venv has it)"
-    )
-
+from . import require
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # torch and transformers warn on import; not ours to fix
-    torch = _require("torch")
-    transformers = _require("transformers")
-    _require("accelerate")  # `transformers serve` loads no model on the CPU without it
-    _require("transformers.cli.serve")
+    torch = require("torch")
+    transformers = require("transformers")
+    require("accelerate")  # `transformers serve` loads no model on the CPU without it
+    require("transformers.cli.serve")
 
     from ..vllm._harness import tiny_model
     from ._measure import LEAVE_AFTER
