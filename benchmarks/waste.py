@@ -8,7 +8,9 @@ response. Per variant, with the same seeds:
 - wasted tokens: tokens generated for a departed client after it left (the generator
   timestamps each token; the client its close; one clock);
 - steps after the disconnect per departed request (the bar: at most one);
-- orphans: departed requests never aborted (run to the end for nobody);
+- orphans: departed requests never aborted, run to the end for nobody: finished with more
+  than the one step in flight at the close made after it (a request whose last token came as
+  its client left finished for that client, not for nobody);
 - for the clients that stayed: latency p50/p99 and their token throughput.
 """
 
@@ -86,8 +88,9 @@ async def one_run(port: int, plans: list[dict[str, Any]], settle: float) -> dict
     for plan, entry in zip(plans, clients, strict=True):
         request = stats["requests"].get(str(plan["id"]), {"token_times": [], "end": None})
         if entry["left"] is not None:
-            wasted.append(sum(1 for stamp in request["token_times"] if stamp > entry["left"]))
-            orphans += request["end"] == "finished"
+            after = sum(1 for stamp in request["token_times"] if stamp > entry["left"])
+            wasted.append(after)
+            orphans += request["end"] == "finished" and after > 1
         else:
             failed += not entry["ok"]
             latencies.append(entry["ended"] - start)
