@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Any
 
-from ._token import TokenSource, source_in
+from ._token import Request, request_in
 
 logger = logging.getLogger("asgi_cancel")
 _warned: set[str] = set()
@@ -121,7 +121,7 @@ def _dispatch_codes() -> tuple[object, object]:
     return anyio_code, asgiref_code
 
 
-def reacting(task: asyncio.Task[Any], source: TokenSource) -> bool:
+def reacting(task: asyncio.Task[Any], request: Request) -> bool:
     """Whether the app is cancelling its own work: the app task, or a task it awaits.
 
     Django awaits the handler task it cancelled, Quart gathers them, anyio task groups
@@ -147,6 +147,6 @@ def reacting(task: asyncio.Task[Any], source: TokenSource) -> bool:
     if sys.version_info >= (3, 12):
         # Tasks the app started and does not await directly (a task group's children).
         for other in asyncio.all_tasks(task.get_loop()):
-            if other.cancelling() and source_in(other.get_context()) is source:
+            if other.cancelling() and request_in(other.get_context()) is request:
                 return True
     return False

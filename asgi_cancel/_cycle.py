@@ -1,24 +1,26 @@
-"""One request's state machine: owning the server's `receive`, replaying, deciding to cancel.
+"""One request's ASGI side: the app's `receive` and `send`, the body read ahead, what each
+message from the server means, and when the request must stop.
 
-No event-loop code here: parking, cancelling the app and timers are the `Runner` a driver
-(`_asyncio.py`, `_trio.py`) gives the cycle, only once the request needs one.
+No event-loop code here: the cycle parks callers and starts its watcher through its `Lane`,
+and stops the request through its `CancelScope`, both made by its backend on first need.
 """
 
 from __future__ import annotations
 
-import contextvars
 import enum
 import logging
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from time import monotonic
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
+from ._backend import Lane
 from ._report import report_cancelled
+from ._scope import CancelScope
 from ._servers import paused_reading
-from ._token import Canceller, CancelToken, TokenSource, bind, unbind
-from .types import Message, OnCancelled, Receive, Scope, Send
+from ._token import bind, unbind
+from .types import CancelledRequest, Message, OnCancelled, Receive, Scope, Send
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -30,23 +32,33 @@ DISCONNECTED_STATUS = 499
 # up on a server's receive (a server that answered every call at once would otherwise spin).
 _MAX_EXTRA_REQUESTS = 3
 _COMPLETING = ("http.response.pathsend", "http.response.zerocopy")
+_MAKING = threading.Lock()
 
 
 class State(enum.IntEnum):
     """Where a request is; what a disconnect means in each state is in the comments."""
 
-    READING_BODY = 0  # body messages still to come: a disconnect cancels
-    WATCHING = 1  # body complete, response not: a disconnect cancels (or lets a listener react)
-    RESPONSE_COMPLETE = 2  # final response message handed to send: a disconnect is the normal end
-    CANCELLED = 3  # the client left first: token fired, app cancelled, sends dropped
+    READING_BODY = 0  # body messages still to come: a disconnect stops the request
+    WATCHING = 1  # body complete, response not: a disconnect stops it (or a listener reacts)
+    RESPONSE_COMPLETE = 2  # final response message handed to send: a disconnect is the end
+    STOPPED = 3  # the client left first, or the request was stopped: sends are dropped
     FINISHED = 4  # the app returned: a late receive() gets a disconnect, a send is dropped
 
 
-_READING_BODY = State.READING_BODY
-_WATCHING = State.WATCHING
-_RESPONSE_COMPLETE = State.RESPONSE_COMPLETE
-_CANCELLED = State.CANCELLED
-_FINISHED = State.FINISHED
+class Watch(enum.Enum):
+    """What the watcher does next (`Cycle.watch_step()`)."""
+
+    READ = "read"  # call the server's receive() now
+    WAIT = "wait"  # not now: `Lane.wake()` comes when it may go on
+    STOP = "stop"  # watching is over
+
+
+READING_BODY, WATCHING, RESPONSE_COMPLETE, STOPPED, FINISHED = State
+READ, WAIT, STOP = Watch
+
+
+L = TypeVar("L", bound=Lane)
+L_co = TypeVar("L_co", bound=Lane, covariant=True)
 
 
 class Options(Protocol):
@@ -55,46 +67,25 @@ class Options(Protocol):
     read_ahead: int
     grace: float
     on_cancelled: OnCancelled | None
-    watch_delay: float
 
 
-class Runner(Canceller, Protocol):
-    """What one request needs from its event loop: a driver gives the cycle one on first need."""
+class LaneMaker(Protocol[L_co]):
+    """The running loop's maker of lanes (its backend's `Library`)."""
 
-    async def park(self) -> None:
-        """Wait until `wake()`."""
-
-    def wake(self) -> None:
-        """Wake every parked caller."""
-
-    async def checkpoint(self) -> None:
-        """Let a pending cancellation of the app task land."""
-
-    def start_grace(self) -> None:
-        """Give an app that listens for the disconnect itself `grace` seconds, then decide."""
-
-    async def cancel_body_reader(self) -> None:
-        """The app task reads its body after the client left: let its cancellation land."""
-
-    def watch_now(self) -> bool:
-        """Start the watcher if it has not started yet. Returns whether it is still watching."""
-
-    def close(self) -> bool:
-        """The app has returned: stop timers and scopes, leave the registry. Returns whether
-        tasks are left to wait for."""
+    def new_lane(self, cycle: Any) -> L_co: ...
 
 
-class Cycle:
+class Cycle(Generic[L]):
     """The middleware's view of one HTTP request/response cycle.
 
-    Made by `new_cycle()`. Slim on purpose: a request that never waits touches only what
-    that sets. `send()` parses nothing; the last message sent is read only when a disconnect
-    needs to know whether the response was complete.
+    Slim on purpose: a request that never waits touches only what `__init__` sets, and
+    `send()` parses nothing (the last message sent is read only when a disconnect needs to
+    know whether the response was complete).
     """
 
     __slots__ = (
-        "_token",
-        "app_awaitable",
+        "_scope",
+        "app",
         "app_task",
         "app_waiting",
         "body_complete",
@@ -102,78 +93,103 @@ class Cycle:
         "bound",
         "buffer",
         "buffered",
-        "cancelled",
         "disconnect",
+        "extra_requests",
         "first_sent",
         "holding",
+        "lane",
         "last_sent",
-        "make_runner",
+        "library",
         "options",
         "reading",
         "real_receive",
         "real_send",
-        "runner",
         "scope",
         "sending",
+        "server_send",
         "started_at",
         "state",
-        "status",
+        "stopped",
+        "stopped_with",
+        "target",
+        "watching",
     )
 
-    scope: Scope
-    bound: contextvars.Token[TokenSource]  # the cycle is the current request until finished()
-    real_receive: Receive
-    real_send: Send
-    options: Options
-    make_runner: Callable[[Cycle], Runner]
-    runner: Runner | None  # made on first need: a request that never needs one has none
-    # The driver's hold on the running app, once its first step yielded (asyncio: the task
-    # and the app's coroutine), for the runner it makes later.
-    app_task: Any
-    app_awaitable: Any
-    _token: CancelToken | None  # made on first use: most requests never ask for it
-    cancelled: bool  # the token fired (set with it; read without making a token)
-    state: State
-    disconnect: Message | None
-    first_sent: Message | None
-    last_sent: Message | None
-    body_started: bool  # an http.request message came from the server
-    body_complete: bool
-    reading: bool  # someone waits in the server's receive()
-    holding: bool  # the watcher waits before its first receive() (`Expect: 100-continue`)
-    app_waiting: int  # callers in the app's receive()
-    buffer: deque[Message] | None  # read ahead by the watcher, not yet taken by the app
-    buffered: int  # body bytes in `buffer`
-    # Not set by new_cycle(): what the server's send() returned for the last message (set with
-    # `last_sent`, read only once that says the response is complete), when the request first
-    # waited (or got its runner before that), and the status stop() answers with.
-    sending: Awaitable[None]
+    # Set where they are first needed, not here (a request that never waits pays for what
+    # `__init__` sets, nothing more): `started_at` once the app first waited or its lane was
+    # made, `last_sent` and `sending` by `send()`, the watcher's by `start_watching()`,
+    # `stopped` by `_stop()`. tests/test_cycle.py checks each is set before it is read.
     started_at: float
-    status: int
+    last_sent: Message
+    sending: Awaitable[None] | None
+    holding: bool
+    extra_requests: int
+    buffered: int
+    stopped: bool
+
+    def __init__(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        options: Options,
+        library: LaneMaker[L],
+    ) -> None:
+        self.scope = scope
+        self.real_receive = receive
+        # The response start goes through `real_send` (`_tracking` may wrap it), the rest
+        # straight to the server's.
+        self.real_send = self.server_send = send
+        self.target: Callable[[Message], Awaitable[None]] = self._send_start
+        self.options = options
+        self.library = library  # makes the lane: a request that never needs one has none
+        self.state = READING_BODY
+        self.lane: L | None = None
+        self._scope: CancelScope | None = None
+        # The backend's hold on the app once it first waited (asyncio: its task, coroutine).
+        self.app_task: Any = None
+        self.app: Any = None
+        self.disconnect: Message | None = None  # what the app's receive() gets from now on
+        self.stopped_with: int | None = None  # the status a stopped request is answered
+        self.first_sent: Message | None = None
+        self.buffer: deque[Message] | None = None  # read ahead, not yet taken by the app
+        self.body_started = self.body_complete = False  # http.request messages came
+        self.reading = False  # someone waits in the server's receive()
+        self.watching = False  # the watcher started, and has not given up
+        self.app_waiting = 0  # callers in the app's receive()
+        self.bound = bind(self)  # the current request until finished()
 
     @property
-    def token(self) -> CancelToken:
-        """The request's token, made on first use (by the app's `current_token()`, possibly
-        in a worker thread, or by a cancellation)."""
-        token = self._token
-        if token is None:
-            with _MAKING_TOKEN:
-                token = self._token
-                if token is None:
-                    token = self._token = CancelToken()
-        return token
+    def cancel_scope(self) -> CancelScope:
+        """The request's `CancelScope`, made on first need (by the app's `current_token()`,
+        possibly in a worker thread, or when the request must stop)."""
+        scope = self._scope
+        if scope is None:
+            with _MAKING:
+                scope = self._scope
+                if scope is None:
+                    scope = self._scope = CancelScope(self.ensure_lane())
+        return scope
 
-    def ensure_runner(self) -> Runner:
-        """The request's `Runner`, made on first need (its watcher starts, a disconnect, an
-        id, a second caller of `receive()`)."""
-        runner = self.runner
-        if runner is None:
-            runner = self.runner = self.make_runner(self)
+    def absorbs(self) -> bool:
+        """A cancellation ended the app: whether it was the request's own."""
+        scope = self._scope
+        return scope is not None and scope.absorbs()
+
+    def in_app_task(self) -> bool:
+        return self.ensure_lane().in_app_task()
+
+    def ensure_lane(self) -> L:
+        """The request's `Lane`, made on first need (its watcher starts, it must stop, a
+        second caller waits in `receive()`, its scope is made)."""
+        lane = self.lane
+        if lane is None:
+            lane = self.lane = self.library.new_lane(self)
             if self.app_task is None:  # before the app first waited: it waits from now on
                 self.started_at = monotonic()
-        return runner
+        return lane
 
-    # -- what the app sees ---------------------------------------------------------------------
+    # -- what the app sees -----------------------------------------------------------------------
     async def receive(self) -> Message:
         self.app_waiting += 1
         try:
@@ -182,24 +198,24 @@ class Cycle:
                     message = self.buffer.popleft()
                     if self.buffered:
                         self.buffered -= len(message.get("body", b""))
-                        self.wake()  # a watcher parked on the read-ahead limit may go on
+                        self.wake()  # a watcher waiting on the read-ahead limit may go on
                     return message
                 if self.disconnect is not None:
-                    if self.state is _CANCELLED and not self.body_complete:
+                    if not self.body_complete and self.stopped_with is not None:
                         # Mid-body, after a cancellation that had to wait (the app was in a
                         # worker thread): it lands here rather than as http.disconnect, which
                         # a framework would turn into an error (Starlette's ClientDisconnect).
-                        await self.ensure_runner().cancel_body_reader()
-                    return self.disconnect
+                        await self._cancel_body_reader()
+                    return dict(self.disconnect)  # a fresh one: the app may change it
                 if not self.reading:
-                    if not self.body_complete or not self.ensure_runner().watch_now():
+                    if not self.body_complete or not self.ensure_lane().watch_now():
                         # Nobody holds the server's receive: read it ourselves, no task needed.
                         return await self._read_for_app()
                     # After the body the app listens (vLLM's `with_cancellation`, Starlette's
                     # stream below spec 2.4): it waits behind the watcher, where a stop (by
                     # id, a deadline) reaches it as well as a disconnect does. Unless the
                     # watcher has ended (uvicorn paused reading): then the app reads itself.
-                await self.ensure_runner().park()
+                await self.ensure_lane().park()
         finally:
             self.app_waiting -= 1
 
@@ -216,27 +232,39 @@ class Cycle:
             if not message.get("more_body", False):
                 self._body_completed()
         elif message_type == "http.disconnect":
-            if self.on_disconnect(message):
-                await self.ensure_runner().checkpoint()  # the cancellation lands here
+            self._disconnected(message)
+            if self.stopped_with is not None:
+                await self.ensure_lane().checkpoint()  # its cancellation lands here
         return message
+
+    async def _cancel_body_reader(self) -> None:
+        # The app task reads its body after the client left: its cancellation lands here,
+        # unless it must wait (a shield): then it meets http.disconnect, as ASGI says.
+        lane = self.ensure_lane()
+        if lane.in_app_task():
+            scope = self.cancel_scope
+            scope.deliver()
+            if scope.issued:
+                await lane.checkpoint()
 
     def send(self, message: Message) -> Awaitable[None]:
         # A plain function handing back the server's own awaitable: no coroutine frame, no
         # parsing. The message is recorded BEFORE the server's send is awaited: hypercorn-trio
         # delivers the disconnect before that send returns, and must find the response complete.
-        if self.disconnect is not None:
-            # The client is gone. Dropping is what every server does, except hypercorn over
-            # HTTP/2 after the TCP connection closed, where send() would hang forever.
-            return _dropped()
         self.last_sent = message
-        if self.first_sent is None:
-            self.first_sent = message
-            sending = self.sending = self.real_send(message)
-            if self.holding:  # the watcher waits for the server to have taken the response start
-                return self._wake_after(sending)
-            return sending
-        sending = self.sending = self.real_send(message)
+        sending = self.sending = self.target(message)
         return sending
+
+    def _send_start(self, message: Message) -> Awaitable[None]:
+        # The first message (the response start), which may carry the request's id.
+        self.first_sent = message
+        self.target = self.server_send
+        return self.real_send(message)
+
+    def _send_start_held(self, message: Message) -> Awaitable[None]:
+        # The watcher waits for the server to have taken the response start before it reads
+        # (`Expect: 100-continue`: the server then sends no 100).
+        return self._wake_after(self._send_start(message))
 
     async def _wake_after(self, sending: Awaitable[None]) -> None:
         try:
@@ -246,24 +274,185 @@ class Cycle:
             self.wake()
 
     def wake(self) -> None:
-        if self.runner is not None:
-            self.runner.wake()
+        if self.lane is not None:
+            self.lane.wake()
 
-    # -- state ---------------------------------------------------------------------------------
-    @property
-    def response_started(self) -> bool:
-        return self.first_sent is not None
+    # -- the watcher ---------------------------------------------------------------------------
+    def watch_step(self) -> Watch:
+        """What the watcher does next: read the server's receive ahead of the app (the body up
+        to `read_ahead` bytes, then the disconnect), wait, or stop."""
+        if self.disconnect is not None or self.state is FINISHED or not self.watching:
+            return STOP
+        if self.holding:
+            if not (self.body_started or self.reading):
+                return WAIT
+            self.holding = False  # the app asked for its body: the server answers it
+        if self.reading:
+            return WAIT
+        if not self.body_complete:
+            if self.buffered and self.buffered >= self.options.read_ahead:
+                return WAIT  # at least one message is read ahead, whatever `read_ahead` says
+        elif paused_reading(self.real_receive):
+            # uvicorn paused reading for a pipelined request: a receive() would resume it.
+            # Its own calls are the app's, as without the middleware.
+            logger.debug("the server paused reading; not watching")
+            self.watching = False
+            return STOP
+        return READ
 
+    async def watch(self) -> None:
+        """The watcher, where it runs in a task of its own (on trio, and on asyncio behind a
+        `receive()` that cannot be stepped by hand): read the server's receive ahead of the app
+        until the disconnect."""
+        receive = self.real_receive
+        lane = self.ensure_lane()
+        try:
+            while (step := self.watch_step()) is not STOP:
+                if step is WAIT:
+                    await lane.park()
+                    continue
+                self.reading = True
+                try:
+                    message = await receive()
+                except Exception:
+                    self.watch_failed()
+                    return
+                finally:
+                    self.reading = False
+                self.received(message)
+        finally:
+            # Whatever ended the watch, callers parked behind it must look again: they may now
+            # have to read the server's receive themselves.
+            self.watching = False
+            lane.wake()
+
+    def start_watching(self) -> bool:
+        """The watcher starts; returns False if there is nothing to watch for."""
+        if self.disconnect is not None or self.state is FINISHED:
+            return False
+        self.watching = True
+        self.extra_requests = self.buffered = 0
+        self.holding = (
+            self.first_sent is None and not self.body_started and _expects_continue(self.scope)
+        )
+        if self.holding:
+            # The server's receive() answers `Expect: 100-continue` (uvicorn, granian, gunicorn):
+            # a call of ours would make the client upload a body the app may refuse. Wait for
+            # the app to ask for it, or for its response to start (the server then sends none).
+            self.target = self._send_start_held
+        return True
+
+    def watch_failed(self) -> None:
+        """The server's receive() raised: the app will meet the same error on its own."""
+        logger.debug("server receive() raised; not watching", exc_info=True)
+        self.watching = False
+        self.wake()
+
+    def received(self, message: Message) -> None:
+        """What the watcher's receive() returned."""
+        message_type = message["type"]
+        if message_type == "http.disconnect":
+            self.watching = False
+            self._disconnected(message)
+            return
+        if message_type == "http.request":
+            self.body_started = True
+            if self.body_complete:
+                if not message.get("body"):
+                    # Some servers send an empty extra http.request after the body.
+                    self.extra_requests += 1
+                    if self.extra_requests > _MAX_EXTRA_REQUESTS:
+                        logger.debug("server keeps sending http.request")
+                        self.watching = False
+                        self.wake()
+                    return
+            elif not message.get("more_body", False):
+                self._body_completed()
+            self.buffered += len(message.get("body", b""))
+        if self.buffer is None:
+            self.buffer = deque()
+        self.buffer.append(message)
+        self.wake()
+
+    # -- stopping --------------------------------------------------------------------------------
     def _body_completed(self) -> None:
         self.body_complete = True
-        if self.state is _READING_BODY:
-            self.state = _WATCHING
+        if self.state is READING_BODY:
+            self.state = WATCHING
 
+    def _disconnected(self, message: Message) -> None:
+        """The client left: cache the message; stop the request if its response is not
+        complete."""
+        self.disconnect = message
+        if self.state is READING_BODY and not self.body_started and not _announces_body(self.scope):
+            # The server said the client left before it gave the (empty) body: for a request
+            # that has none, the app's receive() is a listener's, as after the body (uvicorn
+            # answers a first receive() so when the client left before it).
+            self._body_completed()
+        if self.state is READING_BODY or self.state is WATCHING:
+            if not self.response_complete():
+                self._stop(REASON, DISCONNECTED_STATUS)
+            else:
+                self.state = RESPONSE_COMPLETE
+                if _in_flight(self.sending):
+                    # Then, `grace` later, `final_send_hung()`.
+                    self.ensure_lane().after_grace(self.final_send_hung)
+        self.wake()
+
+    def final_send_hung(self) -> None:
+        """`grace` after a disconnect that found the response complete: if the server's send of
+        the final message has still not returned, it never will (hypercorn over HTTP/2 once the
+        connection closed: the stream's buffer is never drained), and the app task would wait
+        in it forever. The response did not reach the client: the request is stopped."""
+        if self.state is RESPONSE_COMPLETE and _in_flight(self.sending):
+            self._stop(REASON, DISCONNECTED_STATUS)
+
+    def stop(self, reason: str, status: int) -> bool:
+        """Stop the request for `reason` while its client is still connected (cancelled by
+        id, deadline passed): the same token, callbacks and single cancellation of the app as
+        a disconnect; once the app has ended, the backend completes the response (`status`
+        if none started). Returns False if there was nothing to stop: the response was
+        complete, or the request was already stopped or over."""
+        if self.disconnect is not None or self.response_complete():
+            return False
+        if self.state is not READING_BODY and self.state is not WATCHING:
+            return False  # pragma: no cover - a disconnect is cached in every other state
+        # To the app the request is over, as after a disconnect: its receive() gets
+        # http.disconnect (so an app that listens reacts itself) and its sends are dropped; the
+        # middleware completes the response once the app has ended.
+        self.disconnect = _DISCONNECT
+        self._stop(reason, status, stopped=True)
+        self.wake()
+        return True
+
+    def _stop(self, reason: str, status: int, *, stopped: bool = False) -> None:
+        # The app is listening itself when it waits in receive() after the whole body
+        # (Starlette's StreamingResponse below spec 2.4, vLLM's with_cancellation): give it
+        # the message first, and cancel only what still runs after the grace period. Callers
+        # already handed a buffered message (woken, not yet resumed) are not listening: they
+        # are still reading the body.
+        listening = self.state is WATCHING and self.app_waiting > len(self.buffer or ())
+        self.state = STOPPED
+        self.stopped = stopped  # by `stop()`: the client may be there still
+        self.stopped_with = status
+        self.target = _dropped  # the client is gone (or gets our answer): sends are dropped
+        scope = self.cancel_scope
+        scope.fire(reason)
+        started = self.first_sent is not None
+        request = CancelledRequest(
+            self.scope, reason, monotonic() - self.started_at, started, scope.add_usage()
+        )
+        # What the client gets: a stopped stream is cut; otherwise the status.
+        reported = None if stopped and started else status
+        report_cancelled(request, scope, reported, self.options.on_cancelled)
+        scope.cancel_app(listening=listening)
+
+    # -- the end -------------------------------------------------------------------------------
     def response_complete(self) -> bool:
         """Whether the last message sent ended the response (parsed only when needed)."""
-        last = self.last_sent
-        if last is None:
+        if self.first_sent is None:
             return False
+        last = self.last_sent
         message_type = last["type"]
         if message_type == "http.response.body":
             start = self.first_sent
@@ -273,235 +462,32 @@ class Cycle:
             return not last.get("more_trailers", False)
         return message_type in _COMPLETING
 
-    def finished(self) -> Runner | None:
-        """The app returned (or raised): the request's one end. Returns its runner if tasks
-        are left that the driver must wait for (the watcher, `on_cancel` callbacks' tasks).
+    def finished(self) -> None:
+        """The app returned (or raised): the request's one end.
 
-        What a late `receive()` or `send()` meets from now on is set, the token is released,
-        the cycle stops being the current request, and the runner's timers are cancelled. The
-        server's `receive` and `send` are let go: a finished cycle can outlive its request in a
-        context that copied the request's (uvicorn's keep-alive timer is armed inside the final
-        `send`), and through them it held the server's per-request objects in a reference
-        cycle, to be found by the garbage collector. A late call never reaches them (the
-        disconnect is set); the driver keeps them for completing a cancelled response.
+        What a late `receive()` or `send()` meets from now on is set, the scope is closed, the
+        cycle stops being the current request. The server's `receive` and `send` are let go: a
+        finished cycle can outlive its request in a context that copied the request's
+        (uvicorn's keep-alive timer is armed inside the final `send`), and through them it held
+        the server's per-request objects in a reference cycle, to be found by the garbage
+        collector. The backend keeps them for completing a stopped response.
         """
-        self.state = _FINISHED
-        token = self._token
-        if token is not None:
-            token.release()
+        self.state = FINISHED
         if self.disconnect is None:
-            self.disconnect = REQUEST_OVER  # a late receive() gets it, a send drops
-        self.real_receive = self.real_send = RELEASED
+            self.disconnect = _DISCONNECT  # what a late receive() gets (a copy of)
+        self.target = _dropped
+        self.real_receive = self.real_send = self.server_send = _released
+        self.sending = self.lane = None  # (cycle <-> lane: freed by reference counting)
         unbind(self.bound)
-        runner = self.runner
-        if runner is None:
-            return None
-        self.runner = None  # (cycle <-> runner: freed by reference counting)
-        return runner if runner.close() else None
-
-    # -- the watcher ---------------------------------------------------------------------------
-    async def watch(self) -> None:
-        """Hold the server's receive until the disconnect, reading the body ahead (bounded)."""
-        try:
-            await self._watch()
-        finally:
-            # Whatever ended the watch, app callers parked behind it must re-check: they may
-            # now have to read the server's receive themselves.
-            self.wake()
-
-    async def _watch(self) -> None:
-        receive = self.real_receive
-        read_ahead = self.options.read_ahead
-        runner = self.ensure_runner()
-        extra = 0
-        if self.first_sent is None and not self.body_started and _expects_continue(self.scope):
-            # The server's receive() answers `Expect: 100-continue` (uvicorn, granian, gunicorn):
-            # a call of ours would make the client upload a body the app may refuse. Wait for
-            # the app to ask for it, or for its response to start (the server then sends none).
-            self.holding = True
-            while (
-                self.holding
-                and not (self.body_started or self.reading)
-                and self.disconnect is None
-                and self.state is not _FINISHED
-            ):
-                await runner.park()
-            self.holding = False
-        while self.disconnect is None and self.state is not _FINISHED:
-            # At least one message is read ahead whatever `read_ahead` says: a request with no
-            # body is watched from the start.
-            if self.reading or (
-                not self.body_complete and self.buffered and self.buffered >= read_ahead
-            ):
-                await runner.park()
-                continue
-            if paused_reading(receive):
-                # uvicorn paused reading for a pipelined request: a receive() would resume it.
-                # Its own calls are the app's, as without the middleware.
-                logger.debug("the server paused reading; not watching")
-                return
-            self.reading = True
-            try:
-                message = await receive()
-            except Exception:
-                # The app will meet the same error on its own receive; watching is over.
-                logger.debug("server receive() raised; not watching", exc_info=True)
-                return
-            finally:
-                self.reading = False
-            message_type = message["type"]
-            if message_type == "http.disconnect":
-                self.on_disconnect(message)
-                return
-            if message_type == "http.request":
-                self.body_started = True
-                if self.body_complete:
-                    if not message.get("body"):
-                        # Some servers send an empty extra http.request after the body.
-                        extra += 1
-                        if extra > _MAX_EXTRA_REQUESTS:
-                            logger.debug("server keeps sending http.request")
-                            return
-                        continue
-                elif not message.get("more_body", False):
-                    self._body_completed()
-                self.buffered += len(message.get("body", b""))
-            if self.buffer is None:
-                self.buffer = deque()
-            self.buffer.append(message)
-            runner.wake()
-
-    def on_disconnect(self, message: Message) -> bool:
-        """Cache the disconnect; cancel if the response is not complete. Returns whether the
-        app's cancellation was requested at once."""
-        self.disconnect = message
-        requested = False
-        if (
-            self.state is _READING_BODY
-            and not self.body_started
-            and not _announces_body(self.scope)
-        ):
-            # The server said the client left before it gave the (empty) body: for a request
-            # that has none, the app's receive() is a listener's, as after the body (uvicorn
-            # answers a first receive() so when the client left before it).
-            self._body_completed()
-        if self.state is _READING_BODY or self.state is _WATCHING:
-            if self.response_complete():
-                self.state = _RESPONSE_COMPLETE
-                if _in_flight(self.sending):
-                    self.ensure_runner().start_grace()  # then `final_send_hung()`
-            else:
-                requested = self._cancel(REASON, DISCONNECTED_STATUS)
-        self.wake()
-        return requested
-
-    def final_send_hung(self) -> None:
-        """`grace` after a disconnect that found the response complete: if the server's send of
-        the final message has still not returned, it never will (hypercorn over HTTP/2 once the
-        connection closed: the stream's buffer is never drained), and the app task would wait
-        in it forever. The response did not reach the client: the request is cancelled."""
-        if self.state is _RESPONSE_COMPLETE and _in_flight(self.sending):
-            self.state = _CANCELLED
-            self._fire(self.ensure_runner(), REASON, DISCONNECTED_STATUS)
-            self.token.cancel_app()
-
-    def stop(self, reason: str, status: int) -> bool:
-        """Cancel the request for `reason` while its client is still connected (cancelled by
-        id, deadline passed): the same token, callbacks and single cancellation of the app as
-        a disconnect; once the app has ended, the driver completes the response (`status` if
-        none started). Returns False if there was nothing to stop: the response was complete,
-        or the request was already cancelled or over."""
-        if self.disconnect is not None or self.response_complete():
-            return False
-        if self.state is not _READING_BODY and self.state is not _WATCHING:
-            return False  # pragma: no cover - a disconnect is cached in every other state
-        # To the app the request is over, as after a disconnect: its receive() gets
-        # http.disconnect (so an app that listens reacts itself) and its sends are dropped; the
-        # middleware completes the response once the app has ended.
-        self.disconnect = STOPPED
-        self.status = status
-        self._cancel(reason, status)
-        self.wake()
-        return True
-
-    def _cancel(self, reason: str, status: int) -> bool:
-        # The app is listening itself when it waits in receive() after the whole body
-        # (Starlette's StreamingResponse below spec 2.4, vLLM's with_cancellation): give it
-        # the message first, and cancel only what still runs after the grace period. Callers
-        # already handed a buffered message (woken, not yet resumed) are not listening: they
-        # are still reading the body.
-        listening = self.state is _WATCHING and self.app_waiting > len(self.buffer or ())
-        self.state = _CANCELLED
-        runner = self.ensure_runner()
-        try:
-            self._fire(runner, reason, status)
-        finally:
-            if listening:
-                runner.start_grace()
-            else:
-                self.token.cancel_app()
-        return not listening
-
-    def _fire(self, runner: Runner, reason: str, status: int | None) -> None:
-        elapsed = monotonic() - self.started_at
-        self.cancelled = True
-        if self.disconnect is STOPPED and self.first_sent is not None:
-            status = None  # stopped mid-stream: the client gets a cut stream, not a status
-        token = self.token
-        token.fire(reason, runner)
-        report_cancelled(
-            self.scope,
-            token,
-            reason=reason,
-            elapsed=elapsed,
-            response_started=self.response_started,
-            status=status,
-            on_cancelled=self.options.on_cancelled,
-        )
+        scope = self._scope
+        if scope is not None:
+            scope.close()
 
 
 def _in_flight(sending: object) -> bool:
     """Whether a coroutine the server's send() returned is suspended in an await (started, not
     done). Other awaitables cannot be told: False."""
     return getattr(sending, "cr_await", None) is not None
-
-
-def new_cycle(
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    options: Options,
-    make_runner: Callable[[Cycle], Runner],
-) -> Cycle:
-    """A new `Cycle`, made the current request (`current_token()` finds it) in the caller's
-    context, the request's: its constructor, as a plain function (no `__init__`: a Python
-    `__init__` called by the type is a noticeable share of what a request that never waits
-    costs; `benchmarks.instructions` measures it). `started_at` is set when the request first
-    waits (by the driver, or `ensure_runner()`), `status` by `stop()`."""
-    cycle = Cycle()
-    cycle.scope = scope
-    cycle.real_receive = receive
-    cycle.real_send = send
-    cycle.options = options
-    cycle.make_runner = make_runner
-    cycle.runner = None
-    cycle.app_task = None
-    cycle.app_awaitable = None
-    cycle._token = None
-    cycle.cancelled = False
-    cycle.state = _READING_BODY
-    cycle.disconnect = None
-    cycle.first_sent = None
-    cycle.last_sent = None
-    cycle.body_started = False
-    cycle.body_complete = False
-    cycle.reading = False
-    cycle.holding = False
-    cycle.app_waiting = 0
-    cycle.buffer = None
-    cycle.buffered = 0
-    cycle.bound = bind(cycle)
-    return cycle
 
 
 def _expects_continue(scope: Scope) -> bool:
@@ -525,20 +511,23 @@ def _announces_body(scope: Scope) -> bool:
 
 
 _BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE", "TRACE")
-REQUEST_OVER: Message = {"type": "http.disconnect"}
-# What the app's receive() gets after `stop()`: the request is over for it (its client may be
-# still there, and gets the middleware's response).
-STOPPED: Message = {"type": "http.disconnect"}
-_MAKING_TOKEN = threading.Lock()
+# What the app's receive() gets a copy of once the request is over for it.
+_DISCONNECT: Message = {"type": "http.disconnect"}
 
 
-async def _dropped() -> None:
+async def _dropped_send() -> None:
     pass
 
 
-async def _released(*_: object) -> Message:
+def _dropped(message: Message) -> Awaitable[None]:
+    # The client is gone. Dropping is what every server does, except hypercorn over HTTP/2
+    # after the TCP connection closed, where send() would hang forever.
+    return _dropped_send()
+
+
+async def _release(*_: object) -> Any:
     raise RuntimeError("asgi_cancel: the server's receive/send was let go: the request is over")
 
 
 # What a finished cycle holds instead of the server's `receive` and `send` (never called).
-RELEASED: Any = _released
+_released: Any = _release

@@ -1,22 +1,29 @@
-"""`CancelOnDisconnectMiddleware`: validate the options, pass non-HTTP scopes, pick a driver."""
+"""`CancelOnDisconnectMiddleware`: validate the options, pass non-HTTP scopes, pick a backend."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._asyncio import AsyncioDriver
+from ._asyncio import (
+    DONE,
+    AsyncioLane,
+    completed,
+    end_tasks,
+    first_step,
+    relayed,
+    resumed,
+    watch_after,
+)
+from ._asyncio import LIBRARY as asyncio_library
+from ._backend import Backend, Library, register, running_library
+from ._cycle import Cycle
 from ._registry import CancelRegistry
 from ._tracking import Timeouts, Tracking, route_path
 from ._validate import describe as _describe
 from ._validate import seconds
 from .types import AnyASGIApp, OnCancelled, Receive, Scope, Send
-
-if TYPE_CHECKING:
-    from ._trio import TrioDriver
-
-_get_running_loop = asyncio.events._get_running_loop
 
 DEFAULT_READ_AHEAD = 64 * 1024
 DEFAULT_GRACE = 0.1
@@ -137,20 +144,83 @@ class CancelOnDisconnectMiddleware:
         if any(option is not None for option in options):
             tracking = Tracking(registry, timeout, timeouts, timeout_header)
         self._tracking = tracking
-        self._asyncio = AsyncioDriver(app, self, tracking)
-        self._trio: TrioDriver | None = None
+        self._trio: Backend | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
         # What the app returned is returned: servers report an ASGI app that returns a value.
         if scope["type"] != "http" or (self.exclude is not None and self.exclude(scope)):
             return await self.app(scope, receive, send)
-        if _get_running_loop() is not None:
-            rest = self._asyncio.start(scope, receive, send)
-            if rest is not None:  # the app yielded: it is watched, and the rest awaited here
-                return await rest
-            return None
-        if self._trio is None:
-            from ._trio import TrioDriver  # trio is imported only when it runs
+        if running_library() != "asyncio":
+            return await self._trio_backend().run(scope, receive, send)
+        # On asyncio the request runs in this frame, the only frame of the middleware's between
+        # the server's task and the app: each one there costs every suspension of the app (each
+        # streamed token) and every request (`python -m benchmarks.instructions`).
+        cycle: Cycle[AsyncioLane] = Cycle(scope, receive, send, self, asyncio_library)
+        tracking = self._tracking
+        if tracking is not None:  # ids or deadlines: only when the options ask for them
+            refused = tracking.begin(cycle)
+            if refused is not None:
+                cycle.finished()
+                return await refused
+            cycle.ensure_lane().track(tracking)
+            send = cycle.real_send  # the middleware's own answers carry the id too
+        app = self.app(scope, cycle.receive, cycle.send)
+        steps = app.__await__()
+        timer = result = None
+        outside = failed = False
+        try:
+            step = first_step(steps)  # most requests end in it, and need nothing more
+            if step is not DONE:
+                timer = watch_after(cycle, app, self.watch_delay)
+                while True:
+                    # The app's first wait is handed to the task as the app would hand it; a
+                    # cancellation the task throws in goes to the app, which may wait again.
+                    try:
+                        await relayed(step)
+                    except GeneratorExit:
+                        steps.close()
+                        raise
+                    except BaseException as exc:
+                        try:
+                            step = steps.throw(exc)
+                        except StopIteration as returned:
+                            result = returned.value
+                            break
+                        continue
+                    # The rest of the app, with no frame of ours between the task and the app.
+                    result = await resumed(steps)
+                    break
+        except asyncio.CancelledError:
+            if not cycle.absorbs():
+                outside = True  # server shutdown, an outer timeout: it goes on
+                raise
+        except BaseException:
+            failed = True  # the app's own error: it goes on
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            lane = cycle.lane
+            cycle.finished()
+            if lane is not None:  # tasks the request started are waited for
+                await end_tasks(lane, outside, failed)
+        if cycle.stopped_with is not None:
+            await completed(cycle, receive, send)
+        return result
 
-            self._trio = TrioDriver(self.app, self, self._tracking)
-        return await self._trio.run(scope, receive, send)
+    def _trio_backend(self) -> Backend:
+        if self._trio is None:
+            from ._trio import TrioBackend  # trio is imported only where it runs
+
+            self._trio = TrioBackend(self, self._tracking)
+        return self._trio
+
+
+def _trio_library() -> Library:
+    from ._trio import LIBRARY  # trio is imported only where it runs
+
+    return LIBRARY
+
+
+register("asyncio", lambda: asyncio_library)
+register("trio", _trio_library)

@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import re
-import sys
 import threading
 from collections.abc import Callable
 from time import monotonic
 from typing import Protocol, cast
 
-from ._token import current_source
+from ._backend import library, running_library
+from ._token import current_request
 from ._validate import seconds
 
 __all__ = [
@@ -139,7 +138,7 @@ class CancelRegistry:
         self._broker_idle = broker is not None  # not yet started in an event loop
         if broker is not None:
             broker.bind(self)
-            if asyncio.events._get_running_loop() is not None:
+            if running_library() is not None:
                 self.started()  # made inside the loop (uvicorn imports the app there)
 
     def __contains__(self, request_id: object) -> bool:
@@ -177,7 +176,7 @@ class CancelRegistry:
         """
         stopped, handed = self._stop_here(request_id, reason)
         if handed:
-            if _on_event_loop():
+            if running_library() is not None:
                 stopped = True
             else:
                 for future in handed:
@@ -209,20 +208,11 @@ class CancelRegistry:
         threads' event loops without blocking this one. What a broker calls for a cancel from
         another process."""
         stopped, handed = self._stop_here(request_id, reason)
-        if not handed:
-            return stopped
-        if asyncio.events._get_running_loop() is not None:
-            wrapped = [asyncio.wrap_future(future) for future in handed]
-            done, pending = await asyncio.wait(wrapped, timeout=THREAD_TIMEOUT)
-            for future in pending:
-                future.cancel()  # the wrapper only: the stop itself still runs
-            return stopped or bool(pending) or any(future.result() for future in done)
-        import trio
-
-        done_set, pending_set = await trio.to_thread.run_sync(
-            concurrent.futures.wait, handed, THREAD_TIMEOUT
-        )
-        return stopped or bool(pending_set) or any(future.result() for future in done_set)
+        found = library()
+        if not handed or found is None:
+            return stopped or bool(handed)
+        done, pending = await found.wait_futures(handed, THREAD_TIMEOUT)
+        return stopped or bool(pending) or any(future.result() for future in done)
 
     def alias(self, alias: str) -> bool:
         """Make the current request findable by `alias` too, until it ends.
@@ -244,10 +234,10 @@ class CancelRegistry:
             middleware with this registry, once the request has ended, or for a value no
             request id can be (`alias` is then ignored).
         """
-        source = current_source()
+        source = current_request()
         if source is None or not isinstance(alias, str) or not valid_request_id(alias):
             return False
-        request_id = source.token.request_id
+        request_id = source.cancel_scope.request_id
         table = self._tables.get(threading.get_ident())
         if request_id is None or table is None:
             return False
@@ -371,17 +361,3 @@ def _forget(table: _Table, request_id: str, cycle: Stoppable) -> None:
         entries.pop(cycle, None)
         if not entries:
             del table[request_id]
-
-
-def _on_event_loop() -> bool:
-    """Whether this thread runs an event loop (asyncio's, or trio's if trio is imported)."""
-    if asyncio.events._get_running_loop() is not None:
-        return True
-    trio = sys.modules.get("trio")
-    if trio is None:
-        return False
-    try:
-        trio.lowlevel.current_trio_token()
-    except RuntimeError:
-        return False
-    return True

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from typing import Any
 
-from ._token import CancelToken
+from ._scope import CancelScope
 from .types import CancelledRequest, OnCancelled, Scope
 
 logger = logging.getLogger("asgi_cancel")
@@ -57,39 +57,33 @@ def escaped(value: object) -> str:
 
 
 def report_cancelled(
-    scope: Scope,
-    token: CancelToken,
-    *,
-    reason: str,
-    elapsed: float,
-    response_started: bool,
+    request: CancelledRequest,
+    cancel_scope: CancelScope,
     status: int | None,
     on_cancelled: OnCancelled | None,
 ) -> None:
-    """Log the cancel line (with its `extra`) and call the `on_cancelled` hook with a
-    `CancelledRequest`.
+    """Log the cancel line (with its `extra`) and call the `on_cancelled` hook with `request`.
 
     `status` is what the request's client gets: 499 after a disconnect (as nginx logs it), the
     status of a stopped request, or None for a stopped request whose response had started
-    (its stream is cut).
+    (its stream is cut). Tokens an engine spends on the request from now on are counted in
+    `request.usage`, and logged once the request is over.
     """
-    # Tokens an engine spends on it from now on are counted against this start (`add_usage`
-    # makes the record, cancelled, at 0), and reported once the request is over.
-    token.add_usage()
-    token.on_finished(lambda: _log_usage(scope, token, reason))
+    scope = request.scope
+    cancel_scope.on_finished(lambda: _log_usage(request, cancel_scope.request_id))
     if logger.isEnabledFor(logging.INFO):
         method = escaped(scope.get("method", "?"))
         path = escaped(scope.get("path", "?"))
         route = route_template(scope)
-        request_id = token.request_id
+        request_id = cancel_scope.request_id
         fields: dict[str, Any] = {
             "method": method,
             "path": path,
             "route": escaped(route),
-            "reason": escaped(reason),
-            "elapsed": round(elapsed, 6),
-            "response_started": response_started,
-            "phase": phase(response_started),
+            "reason": escaped(request.reason),
+            "elapsed": round(request.elapsed, 6),
+            "response_started": request.response_started,
+            "phase": phase(request.response_started),
             "status": status,
             "request_id": None if request_id is None else escaped(request_id),
         }
@@ -98,24 +92,21 @@ def report_cancelled(
             method,
             path,
             "" if route == UNMATCHED or route == path else f" [{fields['route']}]",
-            elapsed,
-            "mid-stream" if response_started else "before the response",
+            request.elapsed,
+            "mid-stream" if request.response_started else "before the response",
             fields["reason"],
             "stream cut" if status is None else status,
             extra={"asgi_cancel": fields},
         )
     if on_cancelled is None:
         return
-    usage = token.usage
-    assert usage is not None  # add_usage() above made it
-    request = CancelledRequest(scope, reason, elapsed, response_started, usage)
     try:
         when_over = on_cancelled(request)
     except (Exception, asyncio.CancelledError):
         logger.exception("on_cancelled hook raised")
         return
     if callable(when_over):
-        token.on_finished(when_over)
+        cancel_scope.on_finished(when_over)
     elif when_over is not None:
         logger.error(
             "on_cancelled returned %r: return None, or a callable to call when the request is over",
@@ -123,21 +114,22 @@ def report_cancelled(
         )
 
 
-def _log_usage(scope: Scope, token: CancelToken, reason: str) -> None:
+def _log_usage(request: CancelledRequest, request_id: str | None) -> None:
     """Once a cancelled request is over: what the engine spent on it, if a binding counted."""
-    usage = token.usage
-    if usage is None or not (usage.prompt_tokens or usage.completion_tokens):
+    usage = request.usage
+    if not (usage.prompt_tokens or usage.completion_tokens):
         return
     if not logger.isEnabledFor(logging.INFO):
         return
+    scope = request.scope
     fields = {
         "method": escaped(scope.get("method", "?")),
         "path": escaped(scope.get("path", "?")),
-        "reason": escaped(reason),
+        "reason": escaped(request.reason),
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "completion_tokens_after_cancel": usage.after_cancel,
-        "request_id": None if token.request_id is None else escaped(token.request_id),
+        "request_id": None if request_id is None else escaped(request_id),
     }
     logger.info(
         "%s %s cancelled (%s) after %d prompt and %d completion tokens, %d of them after the "

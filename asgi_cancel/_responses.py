@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
-from ._cycle import STOPPED, Cycle
+from ._cycle import Cycle
 from ._servers import abort
 from .types import Message, Receive, Scope, Send
 
@@ -59,22 +60,24 @@ async def send_cancelled_response(scope: Scope, send: Send) -> None:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def complete_cancelled(cycle: Cycle, receive: Receive, send: Send) -> None:
-    """The app of a cancelled request has ended: complete what the server still waits for.
+async def complete_stopped(cycle: Cycle[Any], receive: Receive, send: Send) -> None:
+    """The app of a stopped request has ended: complete what the server still waits for.
 
     After a disconnect, a 499 if no response started (`send_cancelled_response`). After
-    `stop()` with the client still connected: `cycle.status` with a JSON body if no response
+    `stop()` with the client still connected: its status with a JSON body if no response
     started; a response whose body was complete gets its end (trailers if announced); a body
     cut short is made recognisable as cut (`_cut`). A server may refuse a send to a closed
     connection (ASGI lets it raise OSError): logged at DEBUG, never raised.
     """
+    status = cycle.stopped_with
+    assert status is not None  # (only stopped requests are completed)
     try:
-        if cycle.disconnect is not STOPPED:  # the client left (possibly after a stop)
+        if not cycle.stopped:  # the client left
             if cycle.first_sent is None:
                 await send_cancelled_response(cycle.scope, send)
             return
         if cycle.first_sent is None:
-            await refuse(send, cycle.status, cycle.token.reason or "cancelled")
+            await refuse(send, status, cycle.cancel_scope.reason or "cancelled")
             return
         if not _body_complete(cycle.last_sent) and await _cut(cycle, receive, send):
             return
@@ -91,7 +94,7 @@ def _body_complete(last: Message | None) -> bool:
     return bool(last["type"] == "http.response.trailers")
 
 
-async def _cut(cycle: Cycle, receive: Receive, send: Send) -> bool:
+async def _cut(cycle: Cycle[Any], receive: Receive, send: Send) -> bool:
     """End a body cut short so that the client can tell; returns True if nothing more is to
     be sent. An event stream gets an SSE `error` event (the openai client raises `APIError`,
     an `EventSource` page gets an `error` event) and then a clean end; any other body, a
@@ -100,8 +103,8 @@ async def _cut(cycle: Cycle, receive: Receive, send: Send) -> bool:
     recognised, or over HTTP/2, the body is ended cleanly: the cut is only in our log line."""
     assert cycle.first_sent is not None
     if _is_event_stream(cycle.first_sent):
-        reason = cycle.token.reason or "cancelled"
-        error = {"message": reason, "type": reason.replace(" ", "_"), "code": cycle.status}
+        reason = cycle.cancel_scope.reason or "cancelled"
+        error = {"message": reason, "type": reason.replace(" ", "_"), "code": cycle.stopped_with}
         event = b"event: error\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
         await send({"type": "http.response.body", "body": event, "more_body": True})
         return False
@@ -116,7 +119,7 @@ def _is_event_stream(start: Message) -> bool:
     return False
 
 
-async def _end_started_response(cycle: Cycle, send: Send) -> None:
+async def _end_started_response(cycle: Cycle[Any], send: Send) -> None:
     first, last = cycle.first_sent, cycle.last_sent
     assert first is not None
     assert last is not None

@@ -1,11 +1,16 @@
 """What the middleware knows of particular servers, beyond ASGI: one small adapter per need.
 
-ASGI gives no way to ask "has the server paused reading?" or to say "abort this connection".
-Two behaviours need them (docs/servers.md has the measurements):
+ASGI gives no way to ask "has the server paused reading?" or to say "abort this connection",
+nor says what a server's `receive()` awaits. Three behaviours need them (docs/servers.md has the
+measurements):
 
 - `paused_reading(receive)`: uvicorn pauses reading while a pipelined request waits behind the
   running one, and its `receive()` resumes reading unconditionally; a watcher calling it would
   undo the pause (uvicorn then marks the wrong request disconnected and logs a traceback).
+- `steppable(receive)`: the servers whose `receive()` awaits nothing but futures of the running
+  loop (no `asyncio.current_task()`, no timeout), so that the watcher can step it by hand
+  without a task of its own (`_asyncio.HandStepped`): uvicorn (an `asyncio.Event`), hypercorn
+  and daphne (an `asyncio.Queue`'s `get`), granian (a future of its own).
 - `abort(scope, receive, send)`: a started response the middleware has to cut (its deadline
   passed) must look cut to the client, which a final empty body hides, with nothing in the
   server's log, which returning early does not give on uvicorn and gunicorn (ERROR lines) and
@@ -24,7 +29,7 @@ from typing import Any
 
 from .types import Receive, Scope, Send
 
-__all__ = ["abort", "paused_reading"]
+__all__ = ["abort", "paused_reading", "steppable"]
 
 
 def _owner(function: object) -> Any:
@@ -42,6 +47,28 @@ def _server_send(send: Send) -> Send:
 
 def _module(obj: object) -> str:
     return type(obj).__module__ or ""
+
+
+def steppable(receive: Receive) -> bool:
+    """Whether this server's `receive()` can be stepped by hand outside a task (see above)."""
+    kind = type(receive), type(getattr(receive, "__self__", None))
+    known = _steppable.get(kind)
+    if known is None:
+        known = _steppable[kind] = _steppable_kind(receive)
+    if known and kind[1] is asyncio.Queue:  # its get(), nothing else of it
+        return getattr(receive, "__func__", None) is asyncio.Queue.get
+    return known
+
+
+def _steppable_kind(receive: Receive) -> bool:
+    owner = _owner(receive)
+    if type(owner) is asyncio.Queue:  # hypercorn (asyncio), daphne: the queue's own get
+        return True
+    module = _module(owner)
+    return module.startswith("uvicorn.protocols.http.") or module == "granian._granian"
+
+
+_steppable: dict[tuple[type, type], bool] = {}  # by the types of receive and of its owner
 
 
 def paused_reading(receive: Receive) -> bool:

@@ -1,9 +1,5 @@
-"""The per-request cancellation token, the contextvar that finds it, and `shield()`.
-
-The token stands alone: it knows nothing of ASGI or of event loops beyond `wait()`. Whoever
-cancels a request (the middleware's asyncio and trio drivers) holds it and uses the
-`fire()` / `cancel_app()` / `release()` part of its interface, passing a `Canceller`.
-"""
+"""`CancelToken`, the read-only face of a request's `CancelScope`; `current_token()`, which
+finds it from anywhere in the request; `shield()` and `detach()`, which change the scope."""
 
 from __future__ import annotations
 
@@ -11,113 +7,120 @@ import asyncio
 import contextvars
 import functools
 import inspect
-import logging
-import sys
-from collections.abc import Awaitable, Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import ContextDecorator, contextmanager
-from time import monotonic
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["CancelToken", "Canceller", "TokenUsage", "current_token", "detach", "shield"]
+from ._backend import library
+from ._scope import CancelScope, TokenUsage
 
-logger = logging.getLogger("asgi_cancel")
+__all__ = ["CancelToken", "Request", "TokenUsage", "current_token", "detach", "shield"]
 
 
-class TokenSource(Protocol):
-    """What the context variable holds for a request: whatever makes its token on first use
-    (the middleware's per-request cycle; most requests never ask for their token)."""
+class Request(Protocol):
+    """What the context variable holds for a request: the middleware's per-request cycle,
+    which makes the request's scope on first need (most requests never need one)."""
 
     @property
-    def token(self) -> CancelToken:
-        """The request's token, the same one every time."""
+    def cancel_scope(self) -> CancelScope:
+        """The request's scope, the same one every time."""
+
+    def in_app_task(self) -> bool:
+        """Whether the caller runs in the request's own task (the one its cancellation
+        reaches), not in one the app started."""
 
 
-_current: contextvars.ContextVar[TokenSource] = contextvars.ContextVar("asgi_cancel_token")
-
-
-class Canceller(Protocol):
-    """What a token needs from whoever cancels its request (the middleware's drivers)."""
-
-    def cancel_app(self) -> None:
-        """Cancel the request's app task now."""
-
-    def cancel_app_soon(self) -> None:
-        """Cancel it from inside the app (a `shield()` block's exit, possibly in a worker
-        thread), without racing its end."""
-
-    def spawn(self, awaitable: Awaitable[object], /) -> None:
-        """Run an awaitable returned by an `on_cancel` callback, before the request ends."""
+_current: contextvars.ContextVar[Request] = contextvars.ContextVar("asgi_cancel_request")
+_MAKING = threading.Lock()
 
 
 class CancelToken:
-    """The cancellation state of one HTTP request.
+    """The cancellation state of one HTTP request, read-only.
 
-    `CancelOnDisconnectMiddleware` makes one per request and fires it the moment the client
-    disconnects before the response is complete. Code anywhere in the request, including sync
-    code in worker threads that copied the context, finds it with `current_token()`.
+    `CancelOnDisconnectMiddleware` cancels a request the moment its client disconnects (or
+    it is cancelled by id, or its deadline passes); code anywhere in the request, including
+    sync code in worker threads that copied the context, finds its token with
+    `current_token()` and can look (`cancelled`, `reason`), wait (`await wait()`), be called
+    back (`on_cancel()`) or stop (`raise_if_cancelled()`).
 
-    A token only reports and notifies. Whoever cancels the request calls `fire()` (mark it,
-    run the callbacks), then `cancel_app()` (which honours `shield()`), and `release()` once the
-    request is over; the `Canceller` it passes to `fire()` does the actual cancelling.
+    `CancelToken()` makes a token no request owns, for code that drives a binding without the
+    middleware (a test, a batch job): `fire()` cancels it.
     """
 
-    # Class-level defaults and no __init__: a token is made only when a request asks for it
-    # or is cancelled, and each field is stored only when it changes.
-    _cancelled: bool = False
-    _reason: str | None = None
-    _callbacks: dict[object, _Registered] | None = None
-    _canceller: Canceller | None = None
-    _shield_depth: int = 0
-    _deferred: bool = False
-    #: The request's id (from its `X-Request-Id` header or generated), when the middleware was
-    #: given a `CancelRegistry`; else None. Forwarded to the next hop by `asgi_cancel.httpx`.
-    request_id: str | None = None
-    #: When the request's deadline passes, in `time.monotonic()` seconds, or None without one.
-    deadline: float | None = None
-    _detached: bool = False
-    _finished: list[Callable[[], object]] | None = None
-    #: The tokens an engine spent on the request, as a binding counted them
-    #: (`asgi_cancel.vllm.generate`, `count_output`); None until one counts.
-    usage: TokenUsage | None = None
+    __slots__ = ("_scope",)
+
+    def __init__(self) -> None:
+        self._scope = CancelScope()
 
     def __repr__(self) -> str:
-        state = f"cancelled, reason={self._reason!r}" if self._cancelled else "active"
+        scope = self._scope
+        state = f"cancelled, reason={scope.reason!r}" if scope.cancel_called else "active"
         return f"<CancelToken {state}>"
 
     @property
     def cancelled(self) -> bool:
         """Whether the request was cancelled. A plain attribute read: safe from any thread."""
-        return self._cancelled
+        return self._scope.cancel_called
 
     @property
     def reason(self) -> str | None:
         """Why the request was cancelled (e.g. `"client disconnected"`), or None until then."""
-        return self._reason
+        return self._scope.reason
+
+    @property
+    def request_id(self) -> str | None:
+        """The request's id (from its `X-Request-Id` header or generated), when the middleware
+        was given a `CancelRegistry`; else None. Forwarded to the next hop by
+        `asgi_cancel.httpx`."""
+        return self._scope.request_id
+
+    @property
+    def deadline(self) -> float | None:
+        """When the request's deadline passes, in `time.monotonic()` seconds, or None."""
+        return self._scope.deadline
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        """The tokens an engine spent on the request, as a binding counted them
+        (`asgi_cancel.vllm.generate`, `count_output`); None until one counts."""
+        return self._scope.usage
+
+    @property
+    def shielded(self) -> bool:
+        """Whether the request is inside a `shield()` block (its cancellation would wait)."""
+        return self._scope.shield_depth > 0
+
+    @property
+    def detached(self) -> bool:
+        """Whether the request was detached from its client (`detach()`): never cancelled."""
+        return self._scope.detached
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether work done for the request should stop now: the token fired, and the
+        request is neither inside `shield()` nor detached (`detach()`).
+
+        The one rule every binding follows (`asgi_cancel.httpx`, `asgi_cancel.vllm`): an
+        upstream call or an engine request is interrupted exactly when the app task's own
+        cancellation would be. Inside `shield()` it is left to finish, as the app's
+        cancellation waits for the block's end; in a detached request it runs to the end.
+        """
+        scope = self._scope
+        return scope.cancel_called and not scope.shield_depth and not scope.detached
 
     async def wait(self) -> None:
         """Return once the token is cancelled (at once if it already is)."""
-        if self._cancelled:
+        scope = self._scope
+        if scope.cancel_called:
             return
-        loop = asyncio.events._get_running_loop()
-        if loop is None:  # trio
-            import trio
-
-            event = trio.Event()
-            unregister = self.on_cancel(event.set)
-            try:
-                await event.wait()
-            finally:
-                unregister()
-            return
-        future: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            if not future.done():
-                future.set_result(None)
-
-        unregister = self.on_cancel(wake)
+        found = library()
+        if found is None:
+            raise RuntimeError("CancelToken.wait() needs a running asyncio or trio event loop")
+        event = found.event()
+        unregister = scope.on_cancel(event.set)
         try:
-            await future
+            await event.wait()
         finally:
             unregister()
 
@@ -141,36 +144,23 @@ class CancelToken:
         """
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {callback!r}")
-        if self._cancelled:
-            self._run_callback(callback, None)
-            return _noop
-        if self._callbacks is None:
-            self._callbacks = {}
-        key = object()
-        self._callbacks[key] = (callback, contextvars.copy_context())
-        callbacks = self._callbacks
+        return self._scope.on_cancel(callback)
 
-        def unregister() -> None:
-            callbacks.pop(key, None)
-
-        return unregister
+    def on_finished(self, callback: Callable[[], object]) -> None:
+        """Call `callback()` once, in the event loop, when the request is over (its app
+        returned, after its own cleanup). Exceptions it raises are logged."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {callback!r}")
+        self._scope.on_finished(callback)
 
     def add_usage(self, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         """Count tokens an engine spent on the request (a binding calls it as outputs come):
         what a cancelled request cost, and how much of it after its cancellation began."""
-        usage = self.usage
-        if usage is None:
-            usage = self.usage = TokenUsage()
-            if self._cancelled:
-                usage.completion_tokens_at_cancel = 0
-        usage.prompt_tokens += prompt_tokens
-        usage.completion_tokens += completion_tokens
+        self._scope.add_usage(prompt_tokens, completion_tokens)
 
     def remaining(self) -> float | None:
         """Seconds left before the request's deadline (0 once it passed), or None without one."""
-        if self.deadline is None:
-            return None
-        return max(0.0, self.deadline - monotonic())
+        return self._scope.remaining()
 
     def raise_if_cancelled(self) -> None:
         """Raise `asyncio.CancelledError` if the request was cancelled.
@@ -181,176 +171,59 @@ class CancelToken:
         Raises:
             asyncio.CancelledError: the token is cancelled; its message is the reason.
         """
-        if self._cancelled:
-            raise asyncio.CancelledError(self._reason)
+        scope = self._scope
+        if scope.cancel_called:
+            raise asyncio.CancelledError(scope.reason)
 
-    # -- for whoever cancels the request ---------------------------------------------------------
-    def fire(self, reason: str, canceller: Canceller | None = None) -> None:
+    def fire(self, reason: str) -> None:
         """Cancel the token: report `reason` and run the `on_cancel` callbacks, once.
 
-        Called by the middleware at the disconnect. It does not cancel the app task: that is
-        `cancel_app()`, which the middleware calls at once or after its grace period.
-
-        Args:
-            reason: what `reason` reports from now on.
-            canceller: what cancels the app and runs the callbacks' awaitables; without
-                one, awaitables run detached and `cancel_app()` does nothing.
+        For a token no request owns (`CancelToken()`). On a request's token it does the same
+        and leaves the app task alone: the middleware cancels requests.
         """
-        if self._cancelled:
-            return
-        self._cancelled = True
-        self._reason = reason
-        if self.usage is not None:
-            self.usage.completion_tokens_at_cancel = self.usage.completion_tokens
-        self._canceller = canceller
-        callbacks = self._callbacks
-        while callbacks:
-            # Popped one at a time: a callback may unregister one that has not run yet.
-            callback, context = callbacks.pop(next(iter(callbacks)))
-            self._run_callback(callback, context)
-        self._callbacks = None
-
-    @property
-    def shielded(self) -> bool:
-        """Whether the request is inside a `shield()` block (its cancellation would wait)."""
-        return self._shield_depth > 0
-
-    @property
-    def detached(self) -> bool:
-        """Whether the request was detached from its client (`detach()`): never cancelled."""
-        return self._detached
-
-    @property
-    def should_stop(self) -> bool:
-        """Whether work done for the request should stop now: the token fired, and the
-        request is neither inside `shield()` nor detached (`detach()`).
-
-        The one rule every binding follows (`asgi_cancel.httpx`, `asgi_cancel.vllm`): an
-        upstream call or an engine request is interrupted exactly when the app task's own
-        cancellation would be. Inside `shield()` it is left to finish, as the app's
-        cancellation waits for the block's end; in a detached request it runs to the end.
-        """
-        return self._cancelled and not self._shield_depth and not self._detached
-
-    def on_finished(self, callback: Callable[[], object]) -> None:
-        """Call `callback()` once, in the event loop, when the request is over (its app
-        returned, after its own cleanup). Exceptions it raises are logged."""
-        if not callable(callback):
-            raise TypeError(f"callback must be callable, got {callback!r}")
-        if self._finished is None:
-            self._finished = []
-        self._finished.append(callback)
-
-    def cancel_app(self) -> None:
-        """Have the canceller cancel the app now, or when the outermost `shield()` exits;
-        never for a request that was detached (`detach()`)."""
-        if self._detached:
-            return
-        if self._shield_depth:
-            self._deferred = True
-        elif self._canceller is not None:
-            self._canceller.cancel_app()
-
-    def release(self) -> None:
-        """The request is over: forget the callbacks and the canceller.
-
-        Each callback holds a copy of the request's context, which holds the token: dropped
-        so that a finished request is freed by reference counting alone.
-        """
-        self._callbacks = None
-        self._canceller = None
-        finished = self._finished
-        if finished is not None:  # only requests with an on_finished() (cancelled ones)
-            self._finished = None
-            for callback in finished:
-                try:
-                    callback()
-                except Exception:
-                    logger.exception("on_finished callback %r raised", callback)
-
-    def _run_callback(
-        self, callback: Callable[[], object], context: contextvars.Context | None
-    ) -> None:
-        try:
-            result = callback() if context is None else context.run(callback)
-        except (Exception, asyncio.CancelledError):
-            # CancelledError too (on_cancel(token.raise_if_cancelled)): it must not stop the
-            # other callbacks, nor the app's cancellation that follows.
-            logger.exception("on_cancel callback %r raised", callback)
-            return
-        if inspect.isawaitable(result):
-            if self._canceller is not None:
-                self._canceller.spawn(result)
-            else:
-                run_detached(result)
+        self._scope.fire(reason)
 
 
-class TokenUsage:
-    """What an engine spent on one request, in tokens: `prompt_tokens`, `completion_tokens`
-    (every choice, so far), and `completion_tokens_at_cancel` (None unless cancelled), from
-    which `after_cancel`: the tokens generated once the request's cancellation had begun."""
-
-    __slots__ = ("completion_tokens", "completion_tokens_at_cancel", "prompt_tokens")
-
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.completion_tokens_at_cancel: int | None = None
-
-    @property
-    def after_cancel(self) -> int:
-        at_cancel = self.completion_tokens_at_cancel
-        return 0 if at_cancel is None else self.completion_tokens - at_cancel
-
-    def __repr__(self) -> str:
-        return (
-            f"<TokenUsage prompt={self.prompt_tokens} completion={self.completion_tokens} "
-            f"after_cancel={self.after_cancel}>"
-        )
+def token_of(scope: CancelScope) -> CancelToken:
+    """The scope's token (made on first use: most requests never ask for it)."""
+    token: CancelToken | None = scope.token
+    if token is None:
+        with _MAKING:  # first asked for in a worker thread and the loop at once: one token
+            token = scope.token
+            if token is None:
+                token = object.__new__(CancelToken)
+                token._scope = scope
+                scope.token = token
+    return token
 
 
-def _noop() -> None:
-    pass
+# Make a request the current one for its task; `unbind(reset)` undoes it. The context
+# variable's own methods: no Python frame on the per-request path.
+bind: Callable[[Request], contextvars.Token[Request]] = _current.set
+unbind: Callable[[contextvars.Token[Request]], None] = _current.reset
 
 
-_Registered = tuple[Callable[[], object], contextvars.Context]
-
-
-_detached: set[asyncio.Task[object]] = set()
-
-
-def run_detached(awaitable: Awaitable[object]) -> None:
-    """Run an awaitable in its own asyncio task, kept alive until it ends (best effort)."""
-
-    async def run() -> object:
-        return await awaitable
-
-    task = asyncio.get_running_loop().create_task(run())
-    _detached.add(task)
-    task.add_done_callback(_detached.discard)
-
-
-# Make a request's token source the current one for its task; `unbind(reset)` undoes it.
-# The contextvar's own methods: no Python frame on the per-request path.
-bind: Callable[[TokenSource], contextvars.Token[TokenSource]] = _current.set
-unbind: Callable[[contextvars.Token[TokenSource]], None] = _current.reset
-
-
-def source_in(context: contextvars.Context) -> TokenSource | None:
-    """The request whose token is current in `context` (a task's), if any (its token is not
-    made by asking)."""
+def request_in(context: contextvars.Context) -> Request | None:
+    """The request current in `context` (a task's), if any."""
     return context.get(_current)
 
 
-def current_source() -> TokenSource | None:
-    """The request being handled (its token not made by asking), or None outside one."""
+def current_request() -> Request | None:
+    """The request being handled (its scope not made by asking), or None outside one."""
     return _current.get(None)
+
+
+def in_request_task() -> bool:
+    """Whether the caller runs in the current request's own task, the one the middleware
+    cancels (False outside a request, and in tasks the app started)."""
+    request = _current.get(None)
+    return request is not None and request.in_app_task()
 
 
 def find_token() -> CancelToken | None:
     """The token of the request being handled, or None outside a request."""
-    source = _current.get(None)
-    return None if source is None else source.token
+    request = _current.get(None)
+    return None if request is None else token_of(request.cancel_scope)
 
 
 def current_token() -> CancelToken:
@@ -363,14 +236,14 @@ def current_token() -> CancelToken:
         RuntimeError: called outside a request handled by `CancelOnDisconnectMiddleware`.
     """
     try:
-        source = _current.get()
+        request = _current.get()
     except LookupError:
         raise RuntimeError(
             "current_token() was called outside a request handled by "
             "CancelOnDisconnectMiddleware (is the middleware installed, and is this code "
             "running in the request's context?)"
         ) from None
-    return source.token
+    return token_of(request.cancel_scope)
 
 
 @contextmanager
@@ -387,41 +260,21 @@ def shield() -> Iterator[CancelToken | None]:
     Yields:
         The request's token, or None outside a request.
     """
-    token = find_token()
-    if token is None:
+    request = _current.get(None)
+    if request is None:
         yield None
         return
-    token._shield_depth += 1
+    scope = request.cancel_scope
+    scope.enter_shield()
     try:
-        if _in_trio_task():
-            # Trio: a cancel scope, once cancelled, cancels every later checkpoint in it (a
-            # cancellation issued while the app waited for a worker thread would land inside
-            # this block): a shielded scope defers it to the block's end, trio's own way.
-            import trio
-
-            with trio.CancelScope(shield=True):
-                yield token
-        else:  # an asyncio task, or sync code in a worker thread
-            yield token
+        found = library()  # None in a worker thread: nothing of the loop's to shield
+        if found is None:
+            yield token_of(scope)
+        else:
+            with found.shielded():
+                yield token_of(scope)
     finally:
-        token._shield_depth -= 1
-        if not token._shield_depth and token._deferred:
-            token._deferred = False
-            if token._canceller is not None and not token._detached:
-                token._canceller.cancel_app_soon()
-
-
-def _in_trio_task() -> bool:
-    if asyncio.events._get_running_loop() is not None:
-        return False
-    trio = sys.modules.get("trio")
-    if trio is None:
-        return False
-    try:
-        trio.lowlevel.current_task()
-    except RuntimeError:  # a worker thread
-        return False
-    return True
+        scope.exit_shield()
 
 
 class detach(ContextDecorator):  # lower case: used like shield(), a function-like helper
@@ -438,10 +291,12 @@ class detach(ContextDecorator):  # lower case: used like shield(), a function-li
     """
 
     def __enter__(self) -> CancelToken | None:
-        token = find_token()
-        if token is not None:
-            token._detached = True
-        return token
+        request = _current.get(None)
+        if request is None:
+            return None
+        scope = request.cancel_scope
+        scope.detached = True
+        return token_of(scope)
 
     def __exit__(self, *exc_info: object) -> None:
         return None

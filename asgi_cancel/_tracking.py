@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from time import monotonic
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._registry import (
     CANCELLED,
@@ -27,7 +27,7 @@ from ._registry import (
 from ._report import escaped
 from ._responses import refuse
 from ._validate import seconds_or_none
-from .types import Message, Scope
+from .types import Message, Scope, Send
 
 if TYPE_CHECKING:
     from ._cycle import Cycle
@@ -124,12 +124,12 @@ class Tracking:
                     return seconds
         return self.timeout
 
-    def begin(self, cycle: Cycle) -> Awaitable[None] | None:
+    def begin(self, cycle: Cycle[Any]) -> Awaitable[None] | None:
         """Give the request its id and deadline; returns the response to send instead of
         running the app (a malformed id or timeout header: 400; no budget left: 504), else
         None."""
         scope = cycle.scope
-        token = cycle.token
+        cancel_scope = cycle.cancel_scope
         # One dict built in C rather than a Python loop over the headers (the last of a
         # repeated header wins, as in the loop it replaces).
         headers = dict(scope.get("headers", ()))
@@ -141,10 +141,10 @@ class Tracking:
             elif not valid_request_id(request_id):
                 expected = f"1 to {MAX_ID_LENGTH} of {ID_CHARACTERS}"
                 return self._refuse(cycle, self.id_header, request_id, expected)
-            cycle.real_send = SendWithId(cycle, self.id_header, request_id)
+            cycle.real_send = SendWithId(cycle.real_send, self.id_header, request_id)
             if self.registry is not None and self.registry.cancelled_before_it_came(request_id):
                 return refuse(cycle.real_send, CANCELLED_STATUS, CANCELLED)
-            token.request_id = request_id
+            cancel_scope.request_id = request_id
             state = scope.get("state")
             if isinstance(state, dict):  # Starlette's request.state.request_id
                 state["request_id"] = request_id
@@ -162,11 +162,11 @@ class Tracking:
         if seconds is not None:
             if seconds <= 0:
                 return refuse(cycle.real_send, DEADLINE_STATUS, DEADLINE_EXCEEDED)
-            token.deadline = monotonic() + seconds
+            cancel_scope.deadline = monotonic() + seconds
         return None
 
     @staticmethod
-    def _refuse(cycle: Cycle, header: bytes, value: str, expected: str) -> Awaitable[None]:
+    def _refuse(cycle: Cycle[Any], header: bytes, value: str, expected: str) -> Awaitable[None]:
         name = header.decode("ascii")
         logger.info(
             "%s %s refused: malformed %s header %s",
@@ -178,14 +178,14 @@ class Tracking:
         return refuse(cycle.real_send, 400, f"malformed {name} header: expected {expected}")
 
     def register(
-        self, cycle: Cycle, call_soon_threadsafe: Callable[[Callable[[], object]], object]
+        self, cycle: Cycle[Any], call_soon_threadsafe: Callable[[Callable[[], object]], object]
     ) -> None:
-        request_id = cycle.token.request_id
+        request_id = cycle.cancel_scope.request_id
         if self.registry is not None and request_id is not None:
             self.registry.register(request_id, cycle, call_soon_threadsafe)
 
-    def unregister(self, cycle: Cycle) -> None:
-        request_id = cycle.token.request_id
+    def unregister(self, cycle: Cycle[Any]) -> None:
+        request_id = cycle.cancel_scope.request_id
         if self.registry is not None and request_id is not None:
             self.registry.unregister(request_id, cycle)
 
@@ -196,16 +196,14 @@ class SendWithId:
 
     Every response of a request with an id carries it, the middleware's own (499, 504)
     included; a refused id never gets here. Only the start needs it: once the start has
-    passed, the cycle sends to the server's `send` directly again. A class, not a closure
-    that names itself (that would be a reference cycle, left to the garbage collector).
-    `__wrapped__` is the server's `send`, for `_servers` to recognise the server behind it.
+    passed, the cycle sends to the server's `send` directly. `__wrapped__` is the server's
+    `send`, for `_servers` to recognise the server behind it.
     """
 
-    __slots__ = ("__wrapped__", "cycle", "header", "value")
+    __slots__ = ("__wrapped__", "header", "value")
 
-    def __init__(self, cycle: Cycle, header: bytes, request_id: str) -> None:
-        self.__wrapped__ = cycle.real_send
-        self.cycle = cycle
+    def __init__(self, send: Send, header: bytes, request_id: str) -> None:
+        self.__wrapped__ = send
         self.header = header
         self.value = request_id.encode("ascii")
 
@@ -213,9 +211,6 @@ class SendWithId:
         send = self.__wrapped__
         if message["type"] != "http.response.start":
             return send(message)
-        cycle = self.cycle
-        if cycle.real_send is self:
-            cycle.real_send = send
         header = self.header
         headers = message.get("headers", ())
         if not isinstance(headers, (list, tuple)):  # any iterable: read once, here

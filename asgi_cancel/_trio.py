@@ -1,42 +1,47 @@
-"""The trio driver: a nursery for the watcher, a cancel scope for the app."""
+"""The trio backend: a nursery for the watcher and the timers, a cancel scope for the app."""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import concurrent.futures
+import contextlib
 import sys
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterable
 from time import monotonic
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
-from ._cycle import Cycle, Options, State, logger, new_cycle
-from ._responses import COMPLETION_TIMEOUT, complete_cancelled
+from ._cycle import Cycle, Options
+from ._responses import COMPLETION_TIMEOUT, complete_stopped, logger
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 
 if sys.version_info < (3, 11):  # trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
 
-_FINISHED = State.FINISHED
+__all__ = ["LIBRARY", "TrioBackend"]
 
 
-class TrioDriver:
-    """Runs requests on trio for one middleware instance. Every request is watched from its
-    start (a nursery costs little next to trio's own per-task cost)."""
+class TrioOptions(Options, Protocol):
+    app: AnyASGIApp
+
+
+class TrioBackend:
+    """Runs requests on trio for one middleware. Every request is watched from its start (a
+    nursery costs little next to trio's own per-task cost)."""
 
     __slots__ = ("app", "options", "tracking")
 
-    def __init__(self, app: AnyASGIApp, options: Options, tracking: Tracking | None) -> None:
-        self.app = app
+    def __init__(self, options: TrioOptions, tracking: Tracking | None) -> None:
+        self.app = options.app
         self.options = options
         self.tracking = tracking
 
     async def run(self, scope: Scope, receive: Receive, send: Send) -> Any:
         """Run one request; returns what the app returned."""
-        cycle = new_cycle(scope, receive, send, self.options, TrioRunner)
+        cycle: Cycle[TrioLane] = Cycle(scope, receive, send, self.options, LIBRARY)
         tracking = self.tracking
         if tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = tracking.begin(cycle)
@@ -45,28 +50,28 @@ class TrioDriver:
                 await refused
                 return None
             send = cycle.real_send  # its completion, too, carries the request's id
-        runner: TrioRunner = cycle.ensure_runner()  # type: ignore[assignment]
-        token = cycle.token
+        lane = cycle.ensure_lane()
         error: BaseException | None = None
         result = None
         try:
             async with trio.open_nursery() as nursery:
-                runner.nursery = nursery
+                lane.nursery = nursery
                 if tracking is not None:
-                    runner.track(tracking)
-                nursery.start_soon(runner.watch_in_scope)
+                    lane.track(tracking)
+                nursery.start_soon(lane.watch)
                 try:
-                    with runner.app_scope:
+                    with lane.app_scope:
                         result = await self.app(scope, cycle.receive, cycle.send)
                 except asyncio.CancelledError:
                     # raise_if_cancelled() in a worker thread: asyncio's exception, trio's
                     # meaning.
-                    if not token.cancelled:
+                    if cycle.stopped_with is None:
                         raise
                 except BaseException as exc:  # re-raised below, outside the nursery's group
                     error = exc
                 finally:
-                    cycle.finished()  # (the nursery waits for the runner's tasks)
+                    cycle.finished()
+                    lane.close()  # (the nursery waits for the lane's tasks)
         except BaseExceptionGroup as group:
             # An outside cancellation also cancels the watcher; its Cancelled must not replace
             # the app's own exception.
@@ -74,83 +79,76 @@ class TrioDriver:
             if error is None or rest is not None:
                 raise
         finally:
-            runner.nursery = None
+            lane.nursery = None
         if error is not None:
             raise error
-        if token.cancelled:
+        if cycle.stopped_with is not None:
             with trio.move_on_after(COMPLETION_TIMEOUT) as bound:
-                await complete_cancelled(cycle, receive, send)
+                await complete_stopped(cycle, receive, send)
             if bound.cancelled_caught:
                 logger.debug("the server's send did not return; not completing")
         return result
 
 
-class TrioRunner:
-    """One request's trio side: parked callers, the app's and the watcher's cancel scopes."""
+class TrioLane:
+    """One request's trio operations: parked callers, the app's cancel scope, the nursery."""
 
     __slots__ = (
         "app_scope",
         "cycle",
-        "deadline_scope",
-        "grace_scope",
+        "grace",
         "nursery",
         "parked",
         "thread",
+        "timers",
         "tracking",
         "trio_token",
         "watch_scope",
         "watching",
     )
 
-    def __init__(self, cycle: Cycle) -> None:
+    def __init__(self, cycle: Cycle[TrioLane]) -> None:
         self.cycle = cycle
+        self.grace = cycle.options.grace
         self.parked = trio.lowlevel.ParkingLot()
         self.app_scope = trio.CancelScope()
         self.watch_scope = trio.CancelScope()
-        self.watching = True  # started with the app: until cycle.watch() returns
-        self.grace_scope = trio.CancelScope()
+        self.watching = True  # started with the app: until the watcher returns
+        self.timers: list[trio.CancelScope] = []
         self.nursery: trio.Nursery | None = None
-        self.deadline_scope: trio.CancelScope | None = None
         self.tracking: Tracking | None = None
         self.trio_token = trio.lowlevel.current_trio_token()
         self.thread = threading.get_ident()
 
     def track(self, tracking: Tracking) -> None:
-        """Make the request findable by id, and start its deadline's task if it has one."""
+        """Make the request findable by id, and start its deadline's timer if it has one."""
         self.tracking = tracking
-        tracking.register(self.cycle, trio.lowlevel.current_trio_token().run_sync_soon)
-        deadline = self.cycle.token.deadline
-        if deadline is not None and self.nursery is not None:
-            # Made here, not in the task: cancelled before it starts, it still ends.
-            self.deadline_scope = trio.CancelScope()
-            self.nursery.start_soon(self.wait_deadline, deadline)
+        tracking.register(self.cycle, self.trio_token.run_sync_soon)
+        deadline = self.cycle.cancel_scope.deadline
+        if deadline is not None:
+            self.call_later(deadline - monotonic(), self._deadline_passed)
 
-    def close(self) -> bool:
-        """The app has returned: end the watcher, the grace period and the deadline's wait
-        (the nursery waits for them), and leave the registry."""
-        self.watch_scope.cancel()
-        self.grace_scope.cancel()
-        if self.deadline_scope is not None:
-            self.deadline_scope.cancel()
-        if self.tracking is not None:
-            self.tracking.unregister(self.cycle)
-        return False
+    def _deadline_passed(self) -> None:
+        self.cycle.stop(DEADLINE_EXCEEDED, DEADLINE_STATUS)
 
-    async def watch_in_scope(self) -> None:
+    async def watch(self) -> None:
         try:
             with self.watch_scope:
-                await self.cycle.watch()
+                if self.cycle.start_watching():
+                    await self.cycle.watch()
         finally:
             self.watching = False
 
-    def watch_now(self) -> bool:
-        return self.watching
+    def close(self) -> None:
+        """The app has returned: end the watcher and the timers (the nursery waits for them),
+        and leave the registry."""
+        self.watch_scope.cancel()
+        for timer in self.timers:
+            timer.cancel()
+        if self.tracking is not None:
+            self.tracking.unregister(self.cycle)
 
-    async def wait_deadline(self, deadline: float) -> None:
-        with self.deadline_scope or trio.CancelScope():
-            await trio.sleep(max(0.0, deadline - monotonic()))
-            self.cycle.stop(DEADLINE_EXCEEDED, DEADLINE_STATUS)
-
+    # -- Lane ------------------------------------------------------------------------------------
     async def park(self) -> None:
         await self.parked.park()
 
@@ -158,47 +156,98 @@ class TrioRunner:
         if self.parked:
             self.parked.unpark_all()
 
-    async def cancel_body_reader(self) -> None:
-        # Trio's cancellation is level-triggered: a cancelled app meets it at its next
+    async def checkpoint(self) -> None:
+        # Trio's cancellation is level-triggered: a cancelled app meets it here, or at its next
         # checkpoint anyway, a worker thread's included.
         await trio.lowlevel.checkpoint()
 
-    async def checkpoint(self) -> None:
-        await trio.lowlevel.checkpoint()
+    def in_app_task(self) -> bool:
+        return True
 
-    def cancel_app(self) -> None:
-        if self.cycle.state is not _FINISHED:
-            self.app_scope.cancel()
+    def watch_now(self) -> bool:
+        return self.watching
 
-    def cancel_app_soon(self) -> None:
-        if threading.get_ident() == self.thread:
-            self.cancel_app()  # a cancelled scope: the app's next checkpoint raises
-        else:  # the shield() block was sync code in a worker thread
-            self.trio_token.run_sync_soon(self.cancel_app)
-
-    def start_grace(self) -> None:
-        self.grace_scope.deadline = trio.current_time() + self.cycle.options.grace
+    def call_later(self, delay: float, callback: Callable[[], object]) -> trio.CancelScope:
+        # Made here, not in the task: cancelled before it starts, it still ends.
+        timer = trio.CancelScope()
+        self.timers.append(timer)
         if self.nursery is not None:
-            self.nursery.start_soon(self._wait_grace)
+            deadline = trio.current_time() + max(0.0, delay)
+            self.nursery.start_soon(_call_at, timer, deadline, callback)
+        return timer
 
-    async def _wait_grace(self) -> None:
-        with self.grace_scope:
-            await trio.sleep_forever()
-        if self.cycle.state is State.RESPONSE_COMPLETE:
-            self.cycle.final_send_hung()
-        elif self.cycle.state is not _FINISHED:
-            self.cycle.token.cancel_app()
+    def after_shield(self, callback: Callable[[], object]) -> None:
+        if threading.get_ident() == self.thread:
+            callback()  # a cancelled scope: the app's next checkpoint raises, never outside it
+        else:  # the shield() block was sync code in a worker thread
+            self.trio_token.run_sync_soon(callback)
 
-    def spawn(self, awaitable: Awaitable[object], /) -> None:
-        async def run() -> None:
-            try:
-                await awaitable
-            except Exception:
-                logger.exception("on_cancel task failed")
+    def after_grace(self, callback: Callable[[], object]) -> trio.CancelScope:
+        return self.call_later(self.grace, callback)
 
+    def call_soon_threadsafe(self, callback: Callable[[], object]) -> None:
+        self.trio_token.run_sync_soon(callback)
+
+    def spawn(self, awaitable: Awaitable[object]) -> None:
         if self.nursery is None:
-            logger.warning("on_cancel awaitable after the request ended; not run")
-            if inspect.iscoroutine(awaitable):
-                awaitable.close()
+            LIBRARY.spawn_detached(awaitable)
             return
-        self.nursery.start_soon(run)
+        self.nursery.start_soon(_logged, awaitable)
+
+    def cancel_app(self) -> bool:
+        self.app_scope.cancel()
+        return True
+
+    def withdraw(self) -> int:
+        return 0  # a cancel scope's cancellation ends with its block
+
+    def cancelled_elsewhere(self) -> bool:
+        return False
+
+    def reacting(self) -> bool:
+        return False
+
+
+async def _call_at(
+    timer: trio.CancelScope, deadline: float, callback: Callable[[], object]
+) -> None:
+    with timer:
+        await trio.sleep_until(deadline)
+        callback()
+
+
+async def _logged(awaitable: Awaitable[object]) -> None:
+    try:
+        await awaitable
+    except Exception:
+        logger.exception("on_cancel task failed")
+
+
+class _Library:
+    """What trio offers a request (its lane), and code outside one."""
+
+    def new_lane(self, cycle: Cycle[TrioLane]) -> TrioLane:
+        return TrioLane(cycle)
+
+    def event(self) -> trio.Event:
+        return trio.Event()
+
+    def shielded(self) -> contextlib.AbstractContextManager[object]:
+        # A cancel scope, once cancelled, cancels every later checkpoint in it (a cancellation
+        # issued while the app waited for a worker thread would land inside a shield() block):
+        # a shielded scope defers it to the block's end, trio's own way.
+        return trio.CancelScope(shield=True)
+
+    async def wait_futures(
+        self, futures: Iterable[concurrent.futures.Future[bool]], seconds: float
+    ) -> tuple[set[concurrent.futures.Future[bool]], set[concurrent.futures.Future[bool]]]:
+        done, pending = await trio.to_thread.run_sync(
+            concurrent.futures.wait, list(futures), seconds
+        )
+        return set(done), set(pending)
+
+    def spawn_detached(self, awaitable: Awaitable[object]) -> None:
+        trio.lowlevel.spawn_system_task(_logged, awaitable)
+
+
+LIBRARY = _Library()

@@ -34,9 +34,8 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
     raise missing_extra("aiohttp", exc) from exc
 
-from ._asyncio import runs_the_request
 from ._forwarding import Forwarding, ForwardTo
-from ._token import CancelToken, find_token
+from ._token import CancelToken, find_token, in_request_task
 
 __all__ = ["UpstreamCancelled", "cancel_trace_config"]
 
@@ -86,7 +85,7 @@ def cancel_trace_config(
         for name, value in forwarding.headers(token, url.scheme, url.host or "", url.port):
             params.headers[name] = value
         task = asyncio.current_task()
-        if task is not None and not runs_the_request(task):
+        if task is not None and not in_request_task():
             # A task the app spawned: only this binding can stop its call.
             context.unregister = token.on_cancel(lambda: _cancel_call(token, task))
 
@@ -98,8 +97,7 @@ def cancel_trace_config(
         if token is None:
             return
         response = params.response
-        task = asyncio.current_task()
-        if task is not None and runs_the_request(task):
+        if in_request_task():
             # Read in the request's own task (or a task group's child, cancelled with it):
             # the middleware's cancellation stops the reading; closed at the request's end,
             # so that the upstream connection goes even if the app never released it. Closing

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._token import TokenUsage
+    from ._scope import TokenUsage
 
 __all__ = [
     "ASGIApp",

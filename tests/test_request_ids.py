@@ -12,7 +12,7 @@ import anyio.lowlevel
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, current_token
-from asgi_cancel._token import current_source
+from asgi_cancel._token import current_request
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -132,10 +132,10 @@ async def test_after_the_start_the_body_goes_to_the_servers_send_directly() -> N
     server_sends: list[object] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        cycle: Any = current_source()
-        server_sends.append(cycle.real_send)
+        cycle: Any = current_request()
+        server_sends.append(cycle.target)
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        server_sends.append(cycle.real_send)
+        server_sends.append(cycle.target)
         await send({"type": "http.response.body", "body": b"x"})
 
     conn = ClientConnection()
