@@ -6,7 +6,7 @@ to the end in one step (a hello world, a cached answer) costs a `Cycle` and noth
 timer, no lane. One that yields has its first wait relayed to the task (`relayed`), the rest of
 it resumed with no frame of ours between (`resumed`), and is watched once it has run for
 `watch_delay` seconds (`watch_after`): on the servers whose `receive()` awaits only the loop's
-futures, by stepping that `receive()` by hand (`HandStepped`), else in a watcher task. Its
+futures by stepping the watcher by hand (`AsyncioLane.step_watcher`), else in a task. Its
 `AsyncioLane` cancels the server's task, once.
 """
 
@@ -31,7 +31,7 @@ from ._servers import steppable
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import Receive, Send
 
-__all__ = ["DONE", "LIBRARY", "AsyncioLane", "HandStepped", "first_step", "relayed", "resumed"]
+__all__ = ["DONE", "LIBRARY", "AsyncioLane", "first_step", "relayed", "resumed"]
 
 if sys.version_info >= (3, 11):
 
@@ -126,63 +126,24 @@ async def completed(cycle: Cycle[Any], receive: Receive, send: Send) -> None:
 
 
 async def end_tasks(lane: AsyncioLane, outside: bool, failed: bool) -> None:
-    """The app has returned: end the request's lane (`AsyncioLane.close`). A level-triggered
+    """Wait for the tasks the request started (`AsyncioLane.wait_for_tasks`). A level-triggered
     outside cancellation (an anyio scope) that comes again meanwhile must not replace the app's
     own error, which the caller raises next."""
     try:
-        await lane.close(outside)
+        await lane.wait_for_tasks(outside)
     except asyncio.CancelledError:
         if not failed:
             raise
 
 
-class HandStepped:
-    """A coroutine stepped by hand, without a task: the request's watcher (`Cycle.watch`), on
-    the servers whose `receive()` awaits nothing but futures of the running loop
-    (`_servers.steppable()`).
-
-    What a task would do for it, without a task to create, register, cancel and wait for: each
-    future it waits on calls `step()` when done, in no request's context. The request's end
-    closes it where it waits (`close()`), at once: the watcher's `finally` runs, the server's
-    `receive()` is left as a task's cancellation would leave it.
-    """
-
-    __slots__ = ("coroutine", "loop", "waits_on")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, None]):
-        self.loop = loop
-        self.coroutine: Coroutine[Any, Any, None] | None = coroutine
-        self.waits_on: asyncio.Future[Any] | None = None
-
-    def step(self, _: object = None) -> None:
-        coroutine = self.coroutine
-        if coroutine is None:  # closed after its future's callback was due
-            return
-        self.waits_on = None
-        try:
-            waits_on = coroutine.send(None)
-        except StopIteration:
-            self.coroutine = None
-            return
-        if waits_on is None:  # a bare yield (asyncio.sleep(0)): go on next iteration
-            self.loop.call_soon(self.step, context=_NO_CONTEXT)
-            return
-        # An asyncio future, as a task gets it: mark it taken, go on once it is done.
-        waits_on._asyncio_future_blocking = False
-        waits_on.add_done_callback(self.step, context=_NO_CONTEXT)
-        self.waits_on = waits_on
-
-    def close(self) -> None:
-        coroutine, self.coroutine = self.coroutine, None
-        waits_on, self.waits_on = self.waits_on, None
-        if waits_on is not None:
-            waits_on.remove_done_callback(self.step)
-        if coroutine is not None:
-            coroutine.close()
-
-
 class AsyncioLane:
-    """One request's asyncio operations: its task, parked callers, watcher, timers, tasks."""
+    """One request's asyncio operations: its task, parked callers, watcher, timers, tasks.
+
+    The watcher (`Cycle.watch`) runs in a task of its own, except on the servers whose
+    `receive()` awaits nothing but futures of the running loop (`_servers.steppable()`): there
+    the lane steps it by hand (`step_watcher()`), as a task would, without a task to create,
+    register, cancel and wait for.
+    """
 
     __slots__ = (
         "cycle",
@@ -192,6 +153,7 @@ class AsyncioLane:
         "spawned",
         "task",
         "tracking",
+        "waits_on",
         "watcher",
     )
 
@@ -201,7 +163,8 @@ class AsyncioLane:
         # (`watch_after` sets it); before that, the caller's, unless a worker thread's.
         task = cycle.app_task
         self.task: asyncio.Task[Any] = task if task is not None else _current_task()
-        self.watcher: HandStepped | asyncio.Task[None] | None = None
+        self.watcher: Coroutine[Any, Any, None] | asyncio.Task[None] | None = None
+        self.waits_on: asyncio.Future[Any] | None = None  # what the watcher stepped by hand awaits
         self.parked: list[asyncio.Future[None]] | None = None  # app callers waiting
         self.spawned: set[asyncio.Task[object]] | None = None  # on_cancel callbacks' tasks
         self.later: asyncio.TimerHandle | None = None  # look again at a cancellation
@@ -224,14 +187,49 @@ class AsyncioLane:
     def watch_now(self) -> bool:
         cycle = self.cycle
         if self.watcher is None and cycle.start_watching():
-            loop = self.task.get_loop()
+            self.watcher = cycle.watch()
             if steppable(cycle.real_receive):
-                watcher = self.watcher = HandStepped(loop, cycle.watch())
-                watcher.step()
+                self.step_watcher()
             else:
                 # In a context of its own: the task must not keep the request's alive.
-                self.watcher = contextvars.Context().run(loop.create_task, cycle.watch())
+                create_task = self.task.get_loop().create_task
+                self.watcher = contextvars.Context().run(create_task, self.watcher)
         return cycle.watching
+
+    def step_watcher(self, _: object = None) -> None:
+        """Take the watcher's next step by hand: each future it awaits calls this again once
+        done, in no request's context."""
+        watcher = self.watcher
+        if watcher is None or isinstance(watcher, asyncio.Task):
+            return  # closed after its future's callback was due
+        self.waits_on = None
+        try:
+            waits_on = watcher.send(None)
+        except (StopIteration, asyncio.CancelledError):  # it returned, or was stopped
+            self.watcher = None
+            return
+        if waits_on is None:  # a bare yield (asyncio.sleep(0)): on with the next iteration
+            self.task.get_loop().call_soon(self.step_watcher, context=_NO_CONTEXT)
+            return
+        # An asyncio future, as a task gets it: mark it taken, go on once it is done.
+        waits_on._asyncio_future_blocking = False
+        waits_on.add_done_callback(self.step_watcher, context=_NO_CONTEXT)
+        self.waits_on = waits_on
+
+    def _stop_watcher(self) -> None:
+        # The request is over. A watcher stepped by hand whose next step is due is left to it
+        # (it ends there: uvicorn answers its receive() once the response is complete); one that
+        # waits is closed where it waits, as a task's cancellation would leave the server's
+        # receive().
+        watcher, waits_on = self.watcher, self.waits_on
+        if watcher is None or isinstance(watcher, asyncio.Task):
+            return
+        if waits_on is not None and waits_on.done():
+            return
+        self.watcher = self.waits_on = None
+        if waits_on is not None:
+            waits_on.remove_done_callback(self.step_watcher)
+        watcher.close()
 
     # -- Lane --------------------------------------------------------------------------------
     async def park(self) -> None:
@@ -329,21 +327,24 @@ class AsyncioLane:
         return reacting(self.task, self.cycle)
 
     # -- the end -------------------------------------------------------------------------------
-    async def close(self, outside: bool) -> None:
-        """The app has returned: stop the timers and the watcher, leave the registry, and wait
-        for the tasks the request started (callbacks' tasks, a watcher task), even through a
-        server shutdown."""
-        watcher, self.watcher = self.watcher, None
-        if isinstance(watcher, HandStepped):
-            watcher.close()
-        elif watcher is not None:
-            await _end_watcher(watcher, outside)
+    def close(self) -> bool:
+        """The app has returned: stop the timers and a watcher stepped by hand, leave the
+        registry. Returns whether tasks the request started are left (`wait_for_tasks()`)."""
+        self._stop_watcher()
         if self.later is not None:
             self.later.cancel()
         if self.tracking is not None:
             self.tracking.unregister(self.cycle)
             if self.deadline_timer is not None:
                 self.deadline_timer.cancel()
+        return isinstance(self.watcher, asyncio.Task) or bool(self.spawned)
+
+    async def wait_for_tasks(self, outside: bool) -> None:
+        """End the watcher task, and wait for the tasks `on_cancel` callbacks started, even
+        through a server shutdown: none outlives the request."""
+        watcher, self.watcher = self.watcher, None
+        if isinstance(watcher, asyncio.Task):
+            await _end_watcher(watcher, outside)
         spawned = self.spawned
         interrupted = False
         while spawned:
@@ -409,10 +410,7 @@ async def _wait_out(tasks: list[asyncio.Task[Any]]) -> bool:
 
 
 class _Library:
-    """What asyncio offers a request (its lane), and code outside one."""
-
-    def new_lane(self, cycle: Cycle[AsyncioLane]) -> AsyncioLane:
-        return AsyncioLane(cycle)
+    """What code outside a request needs from a running asyncio loop."""
 
     def event(self) -> asyncio.Event:
         return asyncio.Event()

@@ -18,7 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from ._backend import Lane
 from ._report import report_cancelled
 from ._scope import CancelScope
-from ._servers import paused_reading
+from ._servers import in_send, paused_reading, reading_of
 from ._token import bind, unbind
 from .types import CancelledRequest, Message, OnCancelled, Receive, Scope, Send
 
@@ -45,20 +45,10 @@ class State(enum.IntEnum):
     FINISHED = 4  # the app returned: a late receive() gets a disconnect, a send is dropped
 
 
-class Watch(enum.Enum):
-    """What the watcher does next (`Cycle.watch_step()`)."""
-
-    READ = "read"  # call the server's receive() now
-    WAIT = "wait"  # not now: `Lane.wake()` comes when it may go on
-    STOP = "stop"  # watching is over
-
-
 READING_BODY, WATCHING, RESPONSE_COMPLETE, STOPPED, FINISHED = State
-READ, WAIT, STOP = Watch
 
 
 L = TypeVar("L", bound=Lane)
-L_co = TypeVar("L_co", bound=Lane, covariant=True)
 
 
 class Options(Protocol):
@@ -67,12 +57,6 @@ class Options(Protocol):
     read_ahead: int
     grace: float
     on_cancelled: OnCancelled | None
-
-
-class LaneMaker(Protocol[L_co]):
-    """The running loop's maker of lanes (its backend's `Library`)."""
-
-    def new_lane(self, cycle: Any) -> L_co: ...
 
 
 class Cycle(Generic[L]):
@@ -94,18 +78,16 @@ class Cycle(Generic[L]):
         "buffer",
         "buffered",
         "disconnect",
-        "extra_requests",
         "first_sent",
         "holding",
         "lane",
         "last_sent",
-        "library",
+        "make_lane",
         "options",
         "reading",
         "real_receive",
         "real_send",
         "scope",
-        "sending",
         "server_send",
         "started_at",
         "state",
@@ -117,13 +99,11 @@ class Cycle(Generic[L]):
 
     # Set where they are first needed, not here (a request that never waits pays for what
     # `__init__` sets, nothing more): `started_at` once the app first waited or its lane was
-    # made, `last_sent` and `sending` by `send()`, the watcher's by `start_watching()`,
+    # made, `last_sent` by `send()`, the watcher's by `watch()`,
     # `stopped` by `_stop()`. tests/test_cycle.py checks each is set before it is read.
     started_at: float
     last_sent: Message
-    sending: Awaitable[None] | None
     holding: bool
-    extra_requests: int
     buffered: int
     stopped: bool
 
@@ -133,7 +113,7 @@ class Cycle(Generic[L]):
         receive: Receive,
         send: Send,
         options: Options,
-        library: LaneMaker[L],
+        make_lane: Callable[[Cycle[L]], L],
     ) -> None:
         self.scope = scope
         self.real_receive = receive
@@ -142,7 +122,7 @@ class Cycle(Generic[L]):
         self.real_send = self.server_send = send
         self.target: Callable[[Message], Awaitable[None]] = self._send_start
         self.options = options
-        self.library = library  # makes the lane: a request that never needs one has none
+        self.make_lane = make_lane  # the backend's lane: a request that never needs one has none
         self.state = READING_BODY
         self.lane: L | None = None
         self._scope: CancelScope | None = None
@@ -184,7 +164,7 @@ class Cycle(Generic[L]):
         second caller waits in `receive()`, its scope is made)."""
         lane = self.lane
         if lane is None:
-            lane = self.lane = self.library.new_lane(self)
+            lane = self.lane = self.make_lane(self)
             if self.app_task is None:  # before the app first waited: it waits from now on
                 self.started_at = monotonic()
         return lane
@@ -252,8 +232,7 @@ class Cycle(Generic[L]):
         # parsing. The message is recorded BEFORE the server's send is awaited: hypercorn-trio
         # delivers the disconnect before that send returns, and must find the response complete.
         self.last_sent = message
-        sending = self.sending = self.target(message)
-        return sending
+        return self.target(message)
 
     def _send_start(self, message: Message) -> Awaitable[None]:
         # The first message (the response start), which may carry the request's id.
@@ -278,101 +257,91 @@ class Cycle(Generic[L]):
             self.lane.wake()
 
     # -- the watcher ---------------------------------------------------------------------------
-    def watch_step(self) -> Watch:
-        """What the watcher does next: read the server's receive ahead of the app (the body up
-        to `read_ahead` bytes, then the disconnect), wait, or stop."""
-        if self.disconnect is not None or self.state is FINISHED or not self.watching:
-            return STOP
-        if self.holding:
-            if not (self.body_started or self.reading):
-                return WAIT
-            self.holding = False  # the app asked for its body: the server answers it
-        if self.reading:
-            return WAIT
-        if not self.body_complete:
-            if self.buffered and self.buffered >= self.options.read_ahead:
-                return WAIT  # at least one message is read ahead, whatever `read_ahead` says
-        elif paused_reading(self.real_receive):
-            # uvicorn paused reading for a pipelined request: a receive() would resume it.
-            # Its own calls are the app's, as without the middleware.
-            logger.debug("the server paused reading; not watching")
-            self.watching = False
-            return STOP
-        return READ
+    def start_watching(self) -> bool:
+        """The watcher is about to start; False if there is nothing left to watch for."""
+        if self.disconnect is not None or self.state is FINISHED:
+            return False
+        self.watching = True
+        return True
 
     async def watch(self) -> None:
-        """The watcher, where it runs in a task of its own (on trio, and on asyncio behind a
-        `receive()` that cannot be stepped by hand): read the server's receive ahead of the app
-        until the disconnect."""
+        """The watcher: hold the server's `receive()` from now on, read the body ahead of the
+        app (at least one message, at most `read_ahead` bytes), until the disconnect.
+
+        Run in a task of its own (trio; asyncio behind a server it does not know), or stepped
+        by hand (`_asyncio.AsyncioLane.step_watcher`), after `start_watching()`.
+        """
         receive = self.real_receive
         lane = self.ensure_lane()
+        read_ahead = self.options.read_ahead
+        reading = reading_of(receive)  # uvicorn's request cycle: it may pause reading
+        self.buffered = extra = 0
         try:
-            while (step := self.watch_step()) is not STOP:
-                if step is WAIT:
+            if (
+                self.first_sent is None
+                and not self.body_started
+                and self.scope.get("method") not in _BODYLESS_METHODS
+                and _expects_continue(self.scope)
+            ):
+                # The server's receive() answers `Expect: 100-continue` (uvicorn, granian,
+                # gunicorn): a call of ours would make the client upload a body the app may
+                # refuse. Wait for the app to ask for it, or for its response to start (the
+                # server then sends none).
+                self.holding = True
+                self.target = self._send_start_held
+                while self.holding and not (self.body_started or self.reading):
+                    if self.disconnect is not None or self.state is FINISHED:
+                        return
                     await lane.park()
+                self.holding = False
+            while self.disconnect is None and self.state is not FINISHED:
+                if self.reading or (
+                    not self.body_complete and self.buffered and self.buffered >= read_ahead
+                ):
+                    await lane.park()  # the app reads itself, or has enough to read
                     continue
+                if reading is not None and paused_reading(reading):
+                    # uvicorn paused reading for a pipelined request: a receive() would resume
+                    # it. Its own calls are the app's, as without the middleware.
+                    logger.debug("the server paused reading; not watching")
+                    return
                 self.reading = True
                 try:
                     message = await receive()
                 except Exception:
-                    self.watch_failed()
+                    # The app will meet the same error on its own receive; watching is over.
+                    logger.debug("server receive() raised; not watching", exc_info=True)
                     return
                 finally:
                     self.reading = False
-                self.received(message)
+                if self.state is FINISHED:
+                    return  # (uvicorn answers it once the response is complete)
+                message_type = message["type"]
+                if message_type == "http.disconnect":
+                    self._disconnected(message)
+                    return
+                if message_type == "http.request":
+                    self.body_started = True
+                    if self.body_complete:
+                        if not message.get("body"):
+                            # Some servers send an empty extra http.request after the body.
+                            extra += 1
+                            if extra > _MAX_EXTRA_REQUESTS:
+                                logger.debug("server keeps sending http.request")
+                                return
+                            continue
+                    elif not message.get("more_body", False):
+                        self._body_completed()
+                    self.buffered += len(message.get("body", b""))
+                if self.buffer is None:
+                    self.buffer = deque()
+                self.buffer.append(message)
+                lane.wake()  # an app caller parked behind the watcher takes it
         finally:
             # Whatever ended the watch, callers parked behind it must look again: they may now
             # have to read the server's receive themselves.
             self.watching = False
             lane.wake()
-
-    def start_watching(self) -> bool:
-        """The watcher starts; returns False if there is nothing to watch for."""
-        if self.disconnect is not None or self.state is FINISHED:
-            return False
-        self.watching = True
-        self.extra_requests = self.buffered = 0
-        self.holding = (
-            self.first_sent is None and not self.body_started and _expects_continue(self.scope)
-        )
-        if self.holding:
-            # The server's receive() answers `Expect: 100-continue` (uvicorn, granian, gunicorn):
-            # a call of ours would make the client upload a body the app may refuse. Wait for
-            # the app to ask for it, or for its response to start (the server then sends none).
-            self.target = self._send_start_held
-        return True
-
-    def watch_failed(self) -> None:
-        """The server's receive() raised: the app will meet the same error on its own."""
-        logger.debug("server receive() raised; not watching", exc_info=True)
-        self.watching = False
-        self.wake()
-
-    def received(self, message: Message) -> None:
-        """What the watcher's receive() returned."""
-        message_type = message["type"]
-        if message_type == "http.disconnect":
-            self.watching = False
-            self._disconnected(message)
-            return
-        if message_type == "http.request":
-            self.body_started = True
-            if self.body_complete:
-                if not message.get("body"):
-                    # Some servers send an empty extra http.request after the body.
-                    self.extra_requests += 1
-                    if self.extra_requests > _MAX_EXTRA_REQUESTS:
-                        logger.debug("server keeps sending http.request")
-                        self.watching = False
-                        self.wake()
-                    return
-            elif not message.get("more_body", False):
-                self._body_completed()
-            self.buffered += len(message.get("body", b""))
-        if self.buffer is None:
-            self.buffer = deque()
-        self.buffer.append(message)
-        self.wake()
 
     # -- stopping --------------------------------------------------------------------------------
     def _body_completed(self) -> None:
@@ -394,7 +363,7 @@ class Cycle(Generic[L]):
                 self._stop(REASON, DISCONNECTED_STATUS)
             else:
                 self.state = RESPONSE_COMPLETE
-                if _in_flight(self.sending):
+                if in_send(self.app, self.server_send):
                     # Then, `grace` later, `final_send_hung()`.
                     self.ensure_lane().after_grace(self.final_send_hung)
         self.wake()
@@ -404,7 +373,7 @@ class Cycle(Generic[L]):
         the final message has still not returned, it never will (hypercorn over HTTP/2 once the
         connection closed: the stream's buffer is never drained), and the app task would wait
         in it forever. The response did not reach the client: the request is stopped."""
-        if self.state is RESPONSE_COMPLETE and _in_flight(self.sending):
+        if self.state is RESPONSE_COMPLETE and in_send(self.app, self.server_send):
             self._stop(REASON, DISCONNECTED_STATUS)
 
     def stop(self, reason: str, status: int) -> bool:
@@ -477,17 +446,11 @@ class Cycle(Generic[L]):
             self.disconnect = _DISCONNECT  # what a late receive() gets (a copy of)
         self.target = _dropped
         self.real_receive = self.real_send = self.server_send = _released
-        self.sending = self.lane = None  # (cycle <-> lane: freed by reference counting)
+        self.lane = None  # (cycle <-> lane: freed by reference counting)
         unbind(self.bound)
         scope = self._scope
         if scope is not None:
             scope.close()
-
-
-def _in_flight(sending: object) -> bool:
-    """Whether a coroutine the server's send() returned is suspended in an await (started, not
-    done). Other awaitables cannot be told: False."""
-    return getattr(sending, "cr_await", None) is not None
 
 
 def _expects_continue(scope: Scope) -> bool:

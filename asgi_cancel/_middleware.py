@@ -155,7 +155,7 @@ class CancelOnDisconnectMiddleware:
         # On asyncio the request runs in this frame, the only frame of the middleware's between
         # the server's task and the app: each one there costs every suspension of the app (each
         # streamed token) and every request (`python -m benchmarks.instructions`).
-        cycle: Cycle[AsyncioLane] = Cycle(scope, receive, send, self, asyncio_library)
+        cycle: Cycle[AsyncioLane] = Cycle(scope, receive, send, self, AsyncioLane)
         tracking = self._tracking
         if tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = tracking.begin(cycle)
@@ -202,7 +202,7 @@ class CancelOnDisconnectMiddleware:
                 timer.cancel()
             lane = cycle.lane
             cycle.finished()
-            if lane is not None:  # tasks the request started are waited for
+            if lane is not None and lane.close():  # tasks the request started are left
                 await end_tasks(lane, outside, failed)
         if cycle.stopped_with is not None:
             await completed(cycle, receive, send)

@@ -1,15 +1,19 @@
 """What the middleware knows of particular servers, beyond ASGI: one small adapter per need.
 
-ASGI gives no way to ask "has the server paused reading?" or to say "abort this connection",
-nor says what a server's `receive()` awaits. Three behaviours need them (docs/servers.md has the
-measurements):
+ASGI gives no way to ask "has the server paused reading?", "is the app stuck in your send?" or
+"what does your receive() await?", nor to say "abort this connection". Four behaviours need
+them (docs/servers.md has the measurements):
 
-- `paused_reading(receive)`: uvicorn pauses reading while a pipelined request waits behind the
-  running one, and its `receive()` resumes reading unconditionally; a watcher calling it would
-  undo the pause (uvicorn then marks the wrong request disconnected and logs a traceback).
+- `paused_reading(reading_of(receive))`: uvicorn pauses reading while a pipelined request
+  waits behind the running one, and its `receive()` resumes reading unconditionally; a watcher
+  calling it would undo the pause (uvicorn then marks the wrong request disconnected and logs a
+  traceback).
+- `in_send(app, send)`: whether the app waits in the server's `send`, read from the app's await
+  chain after a disconnect that found the response complete: hypercorn over HTTP/2 never
+  returns from the final send once the connection closed.
 - `steppable(receive)`: the servers whose `receive()` awaits nothing but futures of the running
   loop (no `asyncio.current_task()`, no timeout), so that the watcher can step it by hand
-  without a task of its own (`_asyncio.HandStepped`): uvicorn (an `asyncio.Event`), hypercorn
+  without a task of its own (`AsyncioLane.step_watcher`): uvicorn (an `asyncio.Event`), hypercorn
   and daphne (an `asyncio.Queue`'s `get`), granian (a future of its own).
 - `abort(scope, receive, send)`: a started response the middleware has to cut (its deadline
   passed) must look cut to the client, which a final empty body hides, with nothing in the
@@ -29,7 +33,7 @@ from typing import Any
 
 from .types import Receive, Scope, Send
 
-__all__ = ["abort", "paused_reading", "steppable"]
+__all__ = ["abort", "in_send", "paused_reading", "reading_of", "steppable"]
 
 
 def _owner(function: object) -> Any:
@@ -51,36 +55,66 @@ def _module(obj: object) -> str:
 
 def steppable(receive: Receive) -> bool:
     """Whether this server's `receive()` can be stepped by hand outside a task (see above)."""
-    kind = type(receive), type(getattr(receive, "__self__", None))
-    known = _steppable.get(kind)
-    if known is None:
-        known = _steppable[kind] = _steppable_kind(receive)
-    if known and kind[1] is asyncio.Queue:  # its get(), nothing else of it
+    kind = _kind(receive)
+    if kind == "queue":  # hypercorn (asyncio), daphne: the queue's own get, nothing else of it
         return getattr(receive, "__func__", None) is asyncio.Queue.get
-    return known
+    return kind == "uvicorn" or kind == "granian"
 
 
-def _steppable_kind(receive: Receive) -> bool:
-    owner = _owner(receive)
-    if type(owner) is asyncio.Queue:  # hypercorn (asyncio), daphne: the queue's own get
-        return True
-    module = _module(owner)
-    return module.startswith("uvicorn.protocols.http.") or module == "granian._granian"
+def in_send(app: object, send: Send) -> bool:
+    """Whether the app's coroutine `app` waits in the server's `send`, somewhere down its await
+    chain (read only after a disconnect that found the response complete). A send that is not
+    Python code cannot be told: False."""
+    function = getattr(send, "__func__", send)  # a bound method's function
+    code = getattr(getattr(function, "func", function), "__code__", None)  # or a partial's
+    awaitable = app
+    for _ in range(_MAX_DEPTH):
+        if awaitable is None or code is None:
+            return False
+        if getattr(awaitable, "cr_code", None) is code:
+            return True
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
+    return False
 
 
-_steppable: dict[tuple[type, type], bool] = {}  # by the types of receive and of its owner
+_MAX_DEPTH = 64
 
 
-def paused_reading(receive: Receive) -> bool:
-    """Whether the server paused reading with this request's body complete: uvicorn (httptools
-    and h11) does so while a pipelined request waits, and its `receive()` would resume it."""
-    cycle = _owner(receive)
-    if not _module(cycle).startswith("uvicorn."):
-        return False
-    flow = getattr(cycle, "flow", None)
+def reading_of(receive: Receive) -> Any:
+    """What `paused_reading()` asks about this request: uvicorn's request cycle (uvicorn pauses
+    reading while a pipelined request waits); None for a server that does not pause."""
+    return _owner(receive) if _kind(receive) == "uvicorn" else None
+
+
+def paused_reading(reading: Any) -> bool:
+    """Whether uvicorn (httptools and h11) paused reading with this request's body complete
+    (`reading_of()`): its `receive()` would then resume it."""
+    flow = getattr(reading, "flow", None)
     return (
-        getattr(flow, "read_paused", False) is True and getattr(cycle, "more_body", True) is False
+        getattr(flow, "read_paused", False) is True and getattr(reading, "more_body", True) is False
     )
+
+
+def _kind(receive: Receive) -> str:
+    """The server behind `receive` ("uvicorn", "queue", "granian", or "" for any other),
+    known by the type of what it is a method of (cached)."""
+    owner_type = type(getattr(receive, "__self__", None))
+    kind = _kinds.get(owner_type)
+    if kind is None:
+        module = owner_type.__module__ or ""
+        if owner_type is asyncio.Queue:
+            kind = "queue"
+        elif module.startswith("uvicorn.protocols.http."):
+            kind = "uvicorn"
+        elif module == "granian._granian":
+            kind = "granian"
+        else:
+            kind = ""
+        _kinds[owner_type] = kind
+    return kind
+
+
+_kinds: dict[type, str] = {}
 
 
 async def abort(scope: Scope, receive: Receive, send: Send) -> bool:

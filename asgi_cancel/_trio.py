@@ -41,7 +41,7 @@ class TrioBackend:
 
     async def run(self, scope: Scope, receive: Receive, send: Send) -> Any:
         """Run one request; returns what the app returned."""
-        cycle: Cycle[TrioLane] = Cycle(scope, receive, send, self.options, LIBRARY)
+        cycle: Cycle[TrioLane] = Cycle(scope, receive, send, self.options, TrioLane)
         tracking = self.tracking
         if tracking is not None:  # ids or deadlines: only when the options ask for them
             refused = tracking.begin(cycle)
@@ -61,7 +61,8 @@ class TrioBackend:
                 nursery.start_soon(lane.watch)
                 try:
                     with lane.app_scope:
-                        result = await self.app(scope, cycle.receive, cycle.send)
+                        cycle.app = self.app(scope, cycle.receive, cycle.send)
+                        result = await cycle.app
                 except asyncio.CancelledError:
                     # raise_if_cancelled() in a worker thread: asyncio's exception, trio's
                     # meaning.
@@ -224,10 +225,7 @@ async def _logged(awaitable: Awaitable[object]) -> None:
 
 
 class _Library:
-    """What trio offers a request (its lane), and code outside one."""
-
-    def new_lane(self, cycle: Cycle[TrioLane]) -> TrioLane:
-        return TrioLane(cycle)
+    """What code outside a request needs from trio while it runs."""
 
     def event(self) -> trio.Event:
         return trio.Event()
