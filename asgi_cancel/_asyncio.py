@@ -31,7 +31,16 @@ from ._servers import steppable
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from .types import Receive, Send
 
-__all__ = ["DONE", "LIBRARY", "AsyncioLane", "first_step", "relayed", "resumed"]
+__all__ = [
+    "DONE",
+    "LIBRARY",
+    "AsyncioLane",
+    "end_tasks",
+    "first_step",
+    "propagating",
+    "relayed",
+    "resumed",
+]
 
 if sys.version_info >= (3, 11):
 
@@ -125,14 +134,21 @@ async def completed(cycle: Cycle[Any], receive: Receive, send: Send) -> None:
         logger.debug("the server's send did not return; not completing the response")
 
 
-async def end_tasks(lane: AsyncioLane, outside: bool, failed: bool) -> None:
-    """Wait for the tasks the request started (`AsyncioLane.wait_for_tasks`). A level-triggered
-    outside cancellation (an anyio scope) that comes again meanwhile must not replace the app's
-    own error, which the caller raises next."""
+def propagating() -> BaseException | None:
+    """The exception leaving the request (in its `finally`): an outside cancellation, or the
+    app's own error; None if it ended well (or by its own cancellation, absorbed)."""
+    return sys.exc_info()[1]
+
+
+async def end_tasks(lane: AsyncioLane, leaving: BaseException | None) -> None:
+    """Wait for the tasks the request started (`AsyncioLane.wait_for_tasks`), even through an
+    outside cancellation (`leaving` is one). One that comes again meanwhile (a level-triggered
+    anyio scope) must not replace the app's own error (`leaving` is one), raised next."""
+    outside = isinstance(leaving, asyncio.CancelledError)
     try:
         await lane.wait_for_tasks(outside)
     except asyncio.CancelledError:
-        if not failed:
+        if leaving is None or outside:
             raise
 
 
@@ -155,6 +171,7 @@ class AsyncioLane:
         "tracking",
         "waits_on",
         "watcher",
+        "watching",
     )
 
     def __init__(self, cycle: Cycle[AsyncioLane]) -> None:
@@ -164,7 +181,10 @@ class AsyncioLane:
         task = cycle.app_task
         self.task: asyncio.Task[Any] = task if task is not None else _current_task()
         self.watcher: Coroutine[Any, Any, None] | asyncio.Task[None] | None = None
-        self.waits_on: asyncio.Future[Any] | None = None  # what the watcher stepped by hand awaits
+        self.waits_on: asyncio.Future[Any] | None = (
+            None  # what the watcher, stepped by hand, awaits
+        )
+        self.watching = False  # the watcher started, and has not ended
         self.parked: list[asyncio.Future[None]] | None = None  # app callers waiting
         self.spawned: set[asyncio.Task[object]] | None = None  # on_cancel callbacks' tasks
         self.later: asyncio.TimerHandle | None = None  # look again at a cancellation
@@ -186,7 +206,8 @@ class AsyncioLane:
 
     def watch_now(self) -> bool:
         cycle = self.cycle
-        if self.watcher is None and cycle.start_watching():
+        if self.watcher is None and not self.watching and cycle.watchable():
+            self.watching = True
             self.watcher = cycle.watch()
             if steppable(cycle.real_receive):
                 self.step_watcher()
@@ -194,7 +215,11 @@ class AsyncioLane:
                 # In a context of its own: the task must not keep the request's alive.
                 create_task = self.task.get_loop().create_task
                 self.watcher = contextvars.Context().run(create_task, self.watcher)
-        return cycle.watching
+        return self.watching
+
+    def watch_ended(self) -> None:
+        self.watching = False
+        self.wake()
 
     def step_watcher(self, _: object = None) -> None:
         """Take the watcher's next step by hand: each future it awaits calls this again once

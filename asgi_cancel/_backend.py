@@ -122,6 +122,9 @@ class Lane(Protocol):
     def watch_now(self) -> bool:
         """Start the watcher if it has not started; returns whether it is watching."""
 
+    def watch_ended(self) -> None:
+        """The watcher returned: wake the callers parked behind it."""
+
     def in_app_task(self) -> bool:
         """Whether the caller runs in the app task itself (not a task it started)."""
 

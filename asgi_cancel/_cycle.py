@@ -94,7 +94,6 @@ class Cycle(Generic[L]):
         "stopped",
         "stopped_with",
         "target",
-        "watching",
     )
 
     # Set where they are first needed, not here (a request that never waits pays for what
@@ -135,7 +134,6 @@ class Cycle(Generic[L]):
         self.buffer: deque[Message] | None = None  # read ahead, not yet taken by the app
         self.body_started = self.body_complete = False  # http.request messages came
         self.reading = False  # someone waits in the server's receive()
-        self.watching = False  # the watcher started, and has not given up
         self.app_waiting = 0  # callers in the app's receive()
         self.bound = bind(self)  # the current request until finished()
 
@@ -257,19 +255,16 @@ class Cycle(Generic[L]):
             self.lane.wake()
 
     # -- the watcher ---------------------------------------------------------------------------
-    def start_watching(self) -> bool:
-        """The watcher is about to start; False if there is nothing left to watch for."""
-        if self.disconnect is not None or self.state is FINISHED:
-            return False
-        self.watching = True
-        return True
+    def watchable(self) -> bool:
+        """Whether there is anything left to watch for (the watcher starts only if so)."""
+        return self.disconnect is None and self.state is not FINISHED
 
     async def watch(self) -> None:
         """The watcher: hold the server's `receive()` from now on, read the body ahead of the
         app (at least one message, at most `read_ahead` bytes), until the disconnect.
 
         Run in a task of its own (trio; asyncio behind a server it does not know), or stepped
-        by hand (`_asyncio.AsyncioLane.step_watcher`), after `start_watching()`.
+        by hand (`_asyncio.AsyncioLane.step_watcher`), once `watchable()`.
         """
         receive = self.real_receive
         lane = self.ensure_lane()
@@ -340,8 +335,7 @@ class Cycle(Generic[L]):
         finally:
             # Whatever ended the watch, callers parked behind it must look again: they may now
             # have to read the server's receive themselves.
-            self.watching = False
-            lane.wake()
+            lane.watch_ended()
 
     # -- stopping --------------------------------------------------------------------------------
     def _body_completed(self) -> None:

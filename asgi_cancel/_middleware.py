@@ -12,6 +12,7 @@ from ._asyncio import (
     completed,
     end_tasks,
     first_step,
+    propagating,
     relayed,
     resumed,
     watch_after,
@@ -167,7 +168,6 @@ class CancelOnDisconnectMiddleware:
         app = self.app(scope, cycle.receive, cycle.send)
         steps = app.__await__()
         timer = result = None
-        outside = failed = False
         try:
             step = first_step(steps)  # most requests end in it, and need nothing more
             if step is not DONE:
@@ -192,18 +192,14 @@ class CancelOnDisconnectMiddleware:
                     break
         except asyncio.CancelledError:
             if not cycle.absorbs():
-                outside = True  # server shutdown, an outer timeout: it goes on
-                raise
-        except BaseException:
-            failed = True  # the app's own error: it goes on
-            raise
+                raise  # from outside (server shutdown, an outer timeout): it goes on
         finally:
             if timer is not None:
                 timer.cancel()
             lane = cycle.lane
             cycle.finished()
             if lane is not None and lane.close():  # tasks the request started are left
-                await end_tasks(lane, outside, failed)
+                await end_tasks(lane, propagating())
         if cycle.stopped_with is not None:
             await completed(cycle, receive, send)
         return result

@@ -135,7 +135,7 @@ class TrioLane:
     async def watch(self) -> None:
         try:
             with self.watch_scope:
-                if self.cycle.start_watching():
+                if self.cycle.watchable():
                     await self.cycle.watch()
         finally:
             self.watching = False
@@ -167,6 +167,10 @@ class TrioLane:
 
     def watch_now(self) -> bool:
         return self.watching
+
+    def watch_ended(self) -> None:
+        self.watching = False
+        self.wake()
 
     def call_later(self, delay: float, callback: Callable[[], object]) -> trio.CancelScope:
         # Made here, not in the task: cancelled before it starts, it still ends.
