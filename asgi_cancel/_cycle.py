@@ -18,7 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from ._backend import Lane
 from ._report import report_cancelled
 from ._scope import CancelScope
-from ._servers import in_send, paused_reading, reading_of
+from ._servers import in_send
 from ._token import bind, unbind
 from .types import CancelledRequest, Message, OnCancelled, Receive, Scope, Send
 
@@ -28,9 +28,6 @@ REASON = "client disconnected"
 # What the log line and the `on_cancelled` hook report for a client that left: nginx's
 # "client closed request" (nobody receives it; an outer middleware may).
 DISCONNECTED_STATUS = 499
-# Empty `http.request` messages tolerated after the body is complete before the watcher gives
-# up on a server's receive (a server that answered every call at once would otherwise spin).
-_MAX_EXTRA_REQUESTS = 3
 _COMPLETING = ("http.response.pathsend", "http.response.zerocopy")
 _MAKING = threading.Lock()
 
@@ -208,9 +205,9 @@ class Cycle(Generic[L]):
         if message_type == "http.request":
             self.body_started = True
             if not message.get("more_body", False):
-                self._body_completed()
+                self.body_completed()
         elif message_type == "http.disconnect":
-            self._disconnected(message)
+            self.client_left(message)
             if self.stopped_with is not None:
                 await self.ensure_lane().checkpoint()  # its cancellation lands here
         return message
@@ -254,96 +251,24 @@ class Cycle(Generic[L]):
         if self.lane is not None:
             self.lane.wake()
 
-    # -- the watcher ---------------------------------------------------------------------------
+    # -- the watcher's (`_watcher.watch`) --------------------------------------------------------
     def watchable(self) -> bool:
         """Whether there is anything left to watch for (the watcher starts only if so)."""
         return self.disconnect is None and self.state is not FINISHED
 
-    async def watch(self) -> None:
-        """The watcher: hold the server's `receive()` from now on, read the body ahead of the
-        app (at least one message, at most `read_ahead` bytes), until the disconnect.
-
-        Run in a task of its own (trio; asyncio behind a server it does not know), or stepped
-        by hand (`_asyncio.AsyncioLane.step_watcher`), once `watchable()`.
-        """
-        receive = self.real_receive
-        lane = self.ensure_lane()
-        read_ahead = self.options.read_ahead
-        reading = reading_of(receive)  # uvicorn's request cycle: it may pause reading
-        self.buffered = extra = 0
-        try:
-            if (
-                self.first_sent is None
-                and not self.body_started
-                and self.scope.get("method") not in _BODYLESS_METHODS
-                and _expects_continue(self.scope)
-            ):
-                # The server's receive() answers `Expect: 100-continue` (uvicorn, granian,
-                # gunicorn): a call of ours would make the client upload a body the app may
-                # refuse. Wait for the app to ask for it, or for its response to start (the
-                # server then sends none).
-                self.holding = True
-                self.target = self._send_start_held
-                while self.holding and not (self.body_started or self.reading):
-                    if self.disconnect is not None or self.state is FINISHED:
-                        return
-                    await lane.park()
-                self.holding = False
-            while self.disconnect is None and self.state is not FINISHED:
-                if self.reading or (
-                    not self.body_complete and self.buffered and self.buffered >= read_ahead
-                ):
-                    await lane.park()  # the app reads itself, or has enough to read
-                    continue
-                if reading is not None and paused_reading(reading):
-                    # uvicorn paused reading for a pipelined request: a receive() would resume
-                    # it. Its own calls are the app's, as without the middleware.
-                    logger.debug("the server paused reading; not watching")
-                    return
-                self.reading = True
-                try:
-                    message = await receive()
-                except Exception:
-                    # The app will meet the same error on its own receive; watching is over.
-                    logger.debug("server receive() raised; not watching", exc_info=True)
-                    return
-                finally:
-                    self.reading = False
-                if self.state is FINISHED:
-                    return  # (uvicorn answers it once the response is complete)
-                message_type = message["type"]
-                if message_type == "http.disconnect":
-                    self._disconnected(message)
-                    return
-                if message_type == "http.request":
-                    self.body_started = True
-                    if self.body_complete:
-                        if not message.get("body"):
-                            # Some servers send an empty extra http.request after the body.
-                            extra += 1
-                            if extra > _MAX_EXTRA_REQUESTS:
-                                logger.debug("server keeps sending http.request")
-                                return
-                            continue
-                    elif not message.get("more_body", False):
-                        self._body_completed()
-                    self.buffered += len(message.get("body", b""))
-                if self.buffer is None:
-                    self.buffer = deque()
-                self.buffer.append(message)
-                lane.wake()  # an app caller parked behind the watcher takes it
-        finally:
-            # Whatever ended the watch, callers parked behind it must look again: they may now
-            # have to read the server's receive themselves.
-            lane.watch_ended()
+    def hold(self) -> None:
+        """The watcher waits for the app's first move (`Expect: 100-continue`): the app asks
+        for its body, or its response starts, once the server took the start."""
+        self.holding = True
+        self.target = self._send_start_held
 
     # -- stopping --------------------------------------------------------------------------------
-    def _body_completed(self) -> None:
+    def body_completed(self) -> None:
         self.body_complete = True
         if self.state is READING_BODY:
             self.state = WATCHING
 
-    def _disconnected(self, message: Message) -> None:
+    def client_left(self, message: Message) -> None:
         """The client left: cache the message; stop the request if its response is not
         complete."""
         self.disconnect = message
@@ -351,7 +276,7 @@ class Cycle(Generic[L]):
             # The server said the client left before it gave the (empty) body: for a request
             # that has none, the app's receive() is a listener's, as after the body (uvicorn
             # answers a first receive() so when the client left before it).
-            self._body_completed()
+            self.body_completed()
         if self.state is READING_BODY or self.state is WATCHING:
             if not self.response_complete():
                 self._stop(REASON, DISCONNECTED_STATUS)
@@ -447,15 +372,6 @@ class Cycle(Generic[L]):
             scope.close()
 
 
-def _expects_continue(scope: Scope) -> bool:
-    """Whether the client waits for `100 Continue` before it sends its body (read only when a
-    watcher starts)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"expect":
-            return bytes(value).strip().lower() == b"100-continue"
-    return False
-
-
 def _announces_body(scope: Scope) -> bool:
     """Whether the request has a body, as its headers (or, without them, its method) say; read
     only after a disconnect. A POST without a Content-Length may carry one (HTTP/2)."""
@@ -464,10 +380,10 @@ def _announces_body(scope: Scope) -> bool:
             return value.strip() not in (b"", b"0")
         if name == b"transfer-encoding":
             return True
-    return scope.get("method") not in _BODYLESS_METHODS
+    return scope.get("method") not in BODYLESS_METHODS
 
 
-_BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE", "TRACE")
+BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE", "TRACE")
 # What the app's receive() gets a copy of once the request is over for it.
 _DISCONNECT: Message = {"type": "http.disconnect"}
 

@@ -8,7 +8,6 @@ from typing import Any
 
 from ._asyncio import (
     DONE,
-    AsyncioLane,
     completed,
     end_tasks,
     first_step,
@@ -18,6 +17,7 @@ from ._asyncio import (
     watch_after,
 )
 from ._asyncio import LIBRARY as asyncio_library
+from ._asyncio_lane import AsyncioLane
 from ._backend import Backend, Library, register, running_library
 from ._cycle import Cycle
 from ._registry import CancelRegistry

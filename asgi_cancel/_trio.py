@@ -16,6 +16,7 @@ import trio
 from ._cycle import Cycle, Options
 from ._responses import COMPLETION_TIMEOUT, complete_stopped, logger
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
+from ._watcher import watch
 from .types import AnyASGIApp, Receive, Scope, Send
 
 if sys.version_info < (3, 11):  # trio depends on the backport there
@@ -136,7 +137,7 @@ class TrioLane:
         try:
             with self.watch_scope:
                 if self.cycle.watchable():
-                    await self.cycle.watch()
+                    await watch(self.cycle)
         finally:
             self.watching = False
 

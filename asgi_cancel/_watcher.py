@@ -1,0 +1,107 @@
+"""The watcher: from the end of the body on (or at once, for a request that has none), the one
+caller of the server's `receive()`, reading the body ahead of the app (bounded), until the
+disconnect, which it hands to the cycle (`Cycle.client_left`).
+
+Loop-agnostic: run in a task of its own (trio; asyncio behind a server it does not know) or
+stepped by hand (`_asyncio_lane.AsyncioLane.step_watcher`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from ._cycle import BODYLESS_METHODS, FINISHED, Cycle
+from ._servers import paused_reading, reading_of
+from .types import Scope
+
+logger = logging.getLogger("asgi_cancel")
+
+# Empty `http.request` messages tolerated after the body is complete before the watcher gives
+# up on a server's receive (a server that answered every call at once would otherwise spin).
+_MAX_EXTRA_REQUESTS = 3
+
+
+async def watch(cycle: Cycle[Any]) -> None:
+    """Hold the server's `receive()` for the request, once `cycle.watchable()`: read the body
+    ahead of the app (at least one message, at most `read_ahead` bytes), then wait for the
+    disconnect."""
+    receive = cycle.real_receive
+    lane = cycle.ensure_lane()
+    read_ahead = cycle.options.read_ahead
+    reading = reading_of(receive)  # uvicorn's request cycle: it may pause reading
+    cycle.buffered = extra = 0
+    try:
+        if (
+            cycle.first_sent is None
+            and not cycle.body_started
+            and cycle.scope.get("method") not in BODYLESS_METHODS
+            and _expects_continue(cycle.scope)
+        ):
+            # The server's receive() answers `Expect: 100-continue` (uvicorn, granian,
+            # gunicorn): a call of ours would make the client upload a body the app may
+            # refuse. Wait for the app to ask for it, or for its response to start (the
+            # server then sends none).
+            cycle.hold()
+            while cycle.holding and not (cycle.body_started or cycle.reading):
+                if not cycle.watchable():
+                    return
+                await lane.park()
+            cycle.holding = False
+        while cycle.disconnect is None and cycle.state is not FINISHED:
+            if cycle.reading or (
+                not cycle.body_complete and cycle.buffered and cycle.buffered >= read_ahead
+            ):
+                await lane.park()  # the app reads itself, or has enough to read
+                continue
+            if reading is not None and paused_reading(reading):
+                # uvicorn paused reading for a pipelined request: a receive() would resume
+                # it. Its own calls are the app's, as without the middleware.
+                logger.debug("the server paused reading; not watching")
+                return
+            cycle.reading = True
+            try:
+                message = await receive()
+            except Exception:
+                # The app will meet the same error on its own receive; watching is over.
+                logger.debug("server receive() raised; not watching", exc_info=True)
+                return
+            finally:
+                cycle.reading = False
+            if cycle.state is FINISHED:
+                return  # (uvicorn answers it once the response is complete)
+            message_type = message["type"]
+            if message_type == "http.disconnect":
+                cycle.client_left(message)
+                return
+            if message_type == "http.request":
+                cycle.body_started = True
+                if cycle.body_complete:
+                    if not message.get("body"):
+                        # Some servers send an empty extra http.request after the body.
+                        extra += 1
+                        if extra > _MAX_EXTRA_REQUESTS:
+                            logger.debug("server keeps sending http.request")
+                            return
+                        continue
+                elif not message.get("more_body", False):
+                    cycle.body_completed()
+                cycle.buffered += len(message.get("body", b""))
+            if cycle.buffer is None:
+                cycle.buffer = deque()
+            cycle.buffer.append(message)
+            lane.wake()  # an app caller parked behind the watcher takes it
+    finally:
+        # Whatever ended the watch, callers parked behind it must look again: they may now
+        # have to read the server's receive themselves.
+        lane.watch_ended()
+
+
+def _expects_continue(scope: Scope) -> bool:
+    """Whether the client waits for `100 Continue` before it sends its body (read only when a
+    watcher starts)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"expect":
+            return bytes(value).strip().lower() == b"100-continue"
+    return False
