@@ -16,6 +16,7 @@ from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
 from ._backend import Lane
+from ._messages import DISCONNECT, announces_body, response_complete
 from ._report import report_cancelled
 from ._scope import CancelScope
 from ._servers import in_send
@@ -28,7 +29,6 @@ REASON = "client disconnected"
 # What the log line and the `on_cancelled` hook report for a client that left: nginx's
 # "client closed request" (nobody receives it; an outer middleware may).
 DISCONNECTED_STATUS = 499
-_COMPLETING = ("http.response.pathsend", "http.response.zerocopy")
 _MAKING = threading.Lock()
 
 
@@ -272,7 +272,7 @@ class Cycle(Generic[L]):
         """The client left: cache the message; stop the request if its response is not
         complete."""
         self.disconnect = message
-        if self.state is READING_BODY and not self.body_started and not _announces_body(self.scope):
+        if self.state is READING_BODY and not self.body_started and not announces_body(self.scope):
             # The server said the client left before it gave the (empty) body: for a request
             # that has none, the app's receive() is a listener's, as after the body (uvicorn
             # answers a first receive() so when the client left before it).
@@ -308,7 +308,7 @@ class Cycle(Generic[L]):
         # To the app the request is over, as after a disconnect: its receive() gets
         # http.disconnect (so an app that listens reacts itself) and its sends are dropped; the
         # middleware completes the response once the app has ended.
-        self.disconnect = _DISCONNECT
+        self.disconnect = DISCONNECT
         self._stop(reason, status, stopped=True)
         self.wake()
         return True
@@ -338,17 +338,8 @@ class Cycle(Generic[L]):
     # -- the end -------------------------------------------------------------------------------
     def response_complete(self) -> bool:
         """Whether the last message sent ended the response (parsed only when needed)."""
-        if self.first_sent is None:
-            return False
-        last = self.last_sent
-        message_type = last["type"]
-        if message_type == "http.response.body":
-            start = self.first_sent
-            trailers = start is not None and start.get("trailers", False)
-            return not trailers and not last.get("more_body", False)
-        if message_type == "http.response.trailers":
-            return not last.get("more_trailers", False)
-        return message_type in _COMPLETING
+        start = self.first_sent
+        return start is not None and response_complete(start, self.last_sent)
 
     def finished(self) -> None:
         """The app returned (or raised): the request's one end.
@@ -362,7 +353,7 @@ class Cycle(Generic[L]):
         """
         self.state = FINISHED
         if self.disconnect is None:
-            self.disconnect = _DISCONNECT  # what a late receive() gets (a copy of)
+            self.disconnect = DISCONNECT  # what a late receive() gets (a copy of)
         self.target = _dropped
         self.real_receive = self.real_send = self.server_send = _released
         self.lane = None  # (cycle <-> lane: freed by reference counting)
@@ -370,22 +361,6 @@ class Cycle(Generic[L]):
         scope = self._scope
         if scope is not None:
             scope.close()
-
-
-def _announces_body(scope: Scope) -> bool:
-    """Whether the request has a body, as its headers (or, without them, its method) say; read
-    only after a disconnect. A POST without a Content-Length may carry one (HTTP/2)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            return value.strip() not in (b"", b"0")
-        if name == b"transfer-encoding":
-            return True
-    return scope.get("method") not in BODYLESS_METHODS
-
-
-BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE", "TRACE")
-# What the app's receive() gets a copy of once the request is over for it.
-_DISCONNECT: Message = {"type": "http.disconnect"}
 
 
 async def _dropped_send() -> None:

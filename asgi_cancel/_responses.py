@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ._cycle import Cycle
+from ._messages import body_complete, is_event_stream
 from ._servers import abort
 from .types import Message, Receive, Scope, Send
 
@@ -79,19 +80,11 @@ async def complete_stopped(cycle: Cycle[Any], receive: Receive, send: Send) -> N
         if cycle.first_sent is None:
             await refuse(send, status, cycle.cancel_scope.reason or "cancelled")
             return
-        if not _body_complete(cycle.last_sent) and await _cut(cycle, receive, send):
+        if not body_complete(cycle.last_sent) and await _cut(cycle, receive, send):
             return
         await _end_started_response(cycle, send)
     except Exception:
         logger.debug("completing a cancelled request failed", exc_info=True)
-
-
-def _body_complete(last: Message | None) -> bool:
-    if last is None:
-        return False
-    if last["type"] == "http.response.body":
-        return not last.get("more_body", False)
-    return bool(last["type"] == "http.response.trailers")
 
 
 async def _cut(cycle: Cycle[Any], receive: Receive, send: Send) -> bool:
@@ -102,7 +95,7 @@ async def _cut(cycle: Cycle[Any], receive: Receive, send: Send) -> bool:
     `RemoteProtocolError`, curl exits 18, a browser's fetch rejects. Where the server is not
     recognised, or over HTTP/2, the body is ended cleanly: the cut is only in our log line."""
     assert cycle.first_sent is not None
-    if _is_event_stream(cycle.first_sent):
+    if is_event_stream(cycle.first_sent):
         reason = cycle.cancel_scope.reason or "cancelled"
         error = {"message": reason, "type": reason.replace(" ", "_"), "code": cycle.stopped_with}
         event = b"event: error\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
@@ -110,13 +103,6 @@ async def _cut(cycle: Cycle[Any], receive: Receive, send: Send) -> bool:
         return False
     aborted: bool = await abort(cycle.scope, receive, send)
     return aborted
-
-
-def _is_event_stream(start: Message) -> bool:
-    for name, value in start.get("headers", ()):
-        if name.lower() == b"content-type":
-            return bytes(value).lower().startswith(b"text/event-stream")
-    return False
 
 
 async def _end_started_response(cycle: Cycle[Any], send: Send) -> None:

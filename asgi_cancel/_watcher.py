@@ -12,9 +12,9 @@ import logging
 from collections import deque
 from typing import Any
 
-from ._cycle import BODYLESS_METHODS, FINISHED, Cycle
+from ._cycle import FINISHED, Cycle
+from ._messages import expects_continue
 from ._servers import paused_reading, reading_of
-from .types import Scope
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -33,12 +33,7 @@ async def watch(cycle: Cycle[Any]) -> None:
     reading = reading_of(receive)  # uvicorn's request cycle: it may pause reading
     cycle.buffered = extra = 0
     try:
-        if (
-            cycle.first_sent is None
-            and not cycle.body_started
-            and cycle.scope.get("method") not in BODYLESS_METHODS
-            and _expects_continue(cycle.scope)
-        ):
+        if cycle.first_sent is None and not cycle.body_started and expects_continue(cycle.scope):
             # The server's receive() answers `Expect: 100-continue` (uvicorn, granian,
             # gunicorn): a call of ours would make the client upload a body the app may
             # refuse. Wait for the app to ask for it, or for its response to start (the
@@ -96,12 +91,3 @@ async def watch(cycle: Cycle[Any]) -> None:
         # Whatever ended the watch, callers parked behind it must look again: they may now
         # have to read the server's receive themselves.
         lane.watch_ended()
-
-
-def _expects_continue(scope: Scope) -> bool:
-    """Whether the client waits for `100 Continue` before it sends its body (read only when a
-    watcher starts)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"expect":
-            return bytes(value).strip().lower() == b"100-continue"
-    return False
