@@ -4,7 +4,7 @@ The request itself runs in the middleware's `__call__`, in the server's task: it
 app's first step by hand (`first_step`) to see whether it yields, so that a request that runs
 to the end in one step (a hello world, a cached answer) costs a `Cycle` and nothing else: no
 timer, no lane. One that yields has its first wait relayed to the task (`relayed`), the rest of
-it resumed with no frame of ours between (`resumed`), and is watched once it has run for
+it resumed with no frame of ours between (`Cycle.__await__`), and is watched once it has run for
 `watch_delay` seconds (`watch_after`): on the servers whose `receive()` awaits only the loop's
 futures by stepping the watcher by hand (`AsyncioLane.step_watcher`), else in a task. Its
 `AsyncioLane` cancels the server's task, once.
@@ -34,7 +34,6 @@ __all__ = [
     "first_step",
     "propagating",
     "relayed",
-    "resumed",
 ]
 
 DONE: Any = object()  # what `first_step` returns for an app that returned in its first step
@@ -56,19 +55,6 @@ def first_step(steps: Iterator[Any]) -> Any:
 def relayed(step: Any) -> Generator[Any, None, None]:
     """Hand `step` (what the app's first step yielded) to the task, as the app would have."""
     yield step
-
-
-class resumed:  # lower case: awaited like a function's coroutine
-    """The app's coroutine from where it waits, awaited through its C-level iterator: no frame
-    of ours runs when the task resumes the app."""
-
-    __slots__ = ("steps",)
-
-    def __init__(self, steps: Generator[Any, None, Any]) -> None:
-        self.steps = steps
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        return self.steps
 
 
 def watch_after(cycle: Cycle[AsyncioLane], app: object, delay: float) -> asyncio.TimerHandle | None:

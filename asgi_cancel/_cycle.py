@@ -11,7 +11,7 @@ import enum
 import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -150,6 +150,12 @@ class Cycle(Generic[L]):
         """A cancellation ended the app: whether it was the request's own."""
         scope = self._scope
         return scope is not None and scope.absorbs()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """The rest of the app, once its first step was taken by hand: its coroutine's own
+        iterator, so that no frame of ours runs when the task resumes the app."""
+        steps: Generator[Any, None, Any] = self.app.__await__()
+        return steps
 
     def in_app_task(self) -> bool:
         return self.ensure_lane().in_app_task()

@@ -13,7 +13,6 @@ from ._asyncio import (
     first_step,
     propagating,
     relayed,
-    resumed,
     watch_after,
 )
 from ._asyncio import LIBRARY as asyncio_library
@@ -187,8 +186,7 @@ class CancelOnDisconnectMiddleware:
                             result = returned.value
                             break
                         continue
-                    # The rest of the app, with no frame of ours between the task and the app.
-                    result = await resumed(steps)
+                    result = await cycle  # the rest of the app, from where it waits
                     break
         except asyncio.CancelledError:
             if not cycle.absorbs():
