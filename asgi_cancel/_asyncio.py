@@ -1,7 +1,7 @@
 """The asyncio backend: the parts of a request that know asyncio.
 
 The request itself runs in the middleware's `__call__`, in the server's task: it takes the
-app's first step by hand (`first_step`) to see whether it yields, so that a request that runs
+app's first step by hand to see whether it yields, so that a request that runs
 to the end in one step (a hello world, a cached answer) costs a `Cycle` and nothing else: no
 timer, no lane. One that yields has its first wait relayed to the task (`relayed`), the rest of
 it resumed with no frame of ours between (`Cycle.__await__`), and is watched once it has run for
@@ -17,7 +17,7 @@ import concurrent.futures
 import contextlib
 import sys
 import types
-from collections.abc import Awaitable, Generator, Iterable, Iterator
+from collections.abc import Awaitable, Generator, Iterable
 from time import monotonic
 from typing import Any
 
@@ -31,24 +31,11 @@ __all__ = [
     "LIBRARY",
     "AsyncioLane",
     "end_tasks",
-    "first_step",
     "propagating",
     "relayed",
 ]
 
-DONE: Any = object()  # what `first_step` returns for an app that returned in its first step
-
-
-def first_step(steps: Iterator[Any]) -> Any:
-    """Take the app's first step by hand: what it yielded to the event loop, or `DONE`.
-
-    A `for` loop ends without a `StopIteration` reaching Python when the app returns, the
-    cheapest way to run a coroutine one step outside a task. The price: what an app returns
-    without ever awaiting is not seen (the middleware returns None for it).
-    """
-    for step in steps:
-        return step
-    return DONE
+DONE: Any = object()  # an app that returned in its first step yielded nothing
 
 
 @types.coroutine

@@ -10,14 +10,13 @@ from ._asyncio import (
     DONE,
     completed,
     end_tasks,
-    first_step,
     propagating,
     relayed,
     watch_after,
 )
 from ._asyncio import LIBRARY as asyncio_library
 from ._asyncio_lane import AsyncioLane
-from ._backend import Backend, Library, register, running_library
+from ._backend import Backend, Library, register
 from ._cycle import Cycle
 from ._registry import CancelRegistry
 from ._tracking import Timeouts, Tracking, route_path
@@ -25,6 +24,7 @@ from ._validate import describe as _describe
 from ._validate import seconds
 from .types import AnyASGIApp, OnCancelled, Receive, Scope, Send
 
+_get_running_loop = asyncio.events._get_running_loop
 DEFAULT_READ_AHEAD = 64 * 1024
 DEFAULT_GRACE = 0.1
 DEFAULT_WATCH_DELAY = 0.005
@@ -150,7 +150,7 @@ class CancelOnDisconnectMiddleware:
         # What the app returned is returned: servers report an ASGI app that returns a value.
         if scope["type"] != "http" or (self.exclude is not None and self.exclude(scope)):
             return await self.app(scope, receive, send)
-        if running_library() != "asyncio":
+        if _get_running_loop() is None:  # not asyncio: `running_library()` tells which
             return await self._trio_backend().run(scope, receive, send)
         # On asyncio the request runs in this frame, the only frame of the middleware's between
         # the server's task and the app: each one there costs every suspension of the app (each
@@ -168,7 +168,13 @@ class CancelOnDisconnectMiddleware:
         steps = app.__await__()
         timer = result = None
         try:
-            step = first_step(steps)  # most requests end in it, and need nothing more
+            # The app's first step, taken by hand: most requests end in it, and need nothing
+            # more. A `for` loop ends without a `StopIteration` reaching Python when the app
+            # returns; the price: what an app returns without ever awaiting is not seen.
+            for step in steps:  # noqa: B007 (the step is what the loop leaves)
+                break
+            else:
+                step = DONE
             if step is not DONE:
                 timer = watch_after(cycle, app, self.watch_delay)
                 while True:
