@@ -243,26 +243,41 @@ async def test_the_watcher_ends_by_itself_once_its_receive_is_answered(
 
 
 # -- the first step taken by hand; freed by reference counting ----------------------------------
-async def test_fast_request_creates_no_task() -> None:
-    created: list[object] = []
+@pytest.mark.parametrize("waits", [False, True], ids=["never waits", "waits once"])
+async def test_a_request_that_never_waits_leaves_the_loop_alone(
+    waits: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app's first step is taken by hand: a request that ends in it schedules nothing on
+    the loop (no task, no timer, no callback, no future). One that waits gets its watch timer
+    (the control: a middleware that armed it up front, not knowing, fails the first case)."""
     loop = asyncio.get_running_loop()
+    scheduled: list[str] = []
 
-    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
-        created.append(coro)
-        return asyncio.Task(coro, loop=loop, **kwargs)
+    def recording(name: str) -> Callable[..., Any]:
+        method = getattr(loop, name)
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            scheduled.append(name)
+            return method(*args, **kwargs)
+
+        return recorded
+
+    for name in ("call_soon", "call_later", "call_at", "create_future", "create_task"):
+        monkeypatch.setattr(loop, name, recording(name))
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
+        if waits:
+            await asyncio.sleep(0)
         await respond(send)
 
     server = QueueServer({"type": "http.request", "body": b"hi", "more_body": False})
     middleware = CancelOnDisconnectMiddleware(app)
-    loop.set_task_factory(factory)
-    try:
-        await middleware(http_scope("POST"), server.receive, server.send)
-    finally:
-        loop.set_task_factory(None)
-    assert created == []
+    await middleware(http_scope("POST"), server.receive, server.send)
+    if waits:
+        assert "call_later" in scheduled  # the watch timer (and asyncio.sleep's own call_soon)
+    else:
+        assert scheduled == []
     assert [m["type"] for m in server.sent] == ["http.response.start", "http.response.body"]
 
 

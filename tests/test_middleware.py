@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import traceback
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,10 +22,12 @@ from .helpers import (
     read_body,
     slow_app,
     tasks_alive,
+    until,
     with_watchdog,
 )
 
 pytestmark = pytest.mark.anyio
+PACKAGE = str(Path(__file__).parents[1] / "asgi_cancel")
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -226,3 +231,80 @@ async def test_a_cancelled_request_is_logged_and_reported_once(
         "request_id": None,
     }
     assert 0 < fields["elapsed"] < 5
+
+
+# -- the walk from a disconnect to the app's cancellation ---------------------------------------
+WALKS = {
+    # the watcher stepped by hand (an asyncio.Queue's get is known to await only its futures)
+    "asyncio-by-hand": ["_stepped", "_watcher", "_cycle", "_scope", "_asyncio_lane"],
+    # the watcher in a task (a receive() it does not know)
+    "asyncio-in-a-task": ["_watcher", "_cycle", "_scope", "_asyncio_lane"],
+    "trio": ["_watcher", "_cycle", "_scope", "_trio"],
+}
+
+
+@pytest.mark.parametrize(
+    ("anyio_backend", "walk"), [(walk.split("-")[0], walk) for walk in WALKS], ids=list(WALKS)
+)
+async def test_a_disconnect_reaches_the_cancellation_through_each_module_once(
+    anyio_backend: str, walk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call stack at the app's cancellation, read as the package's modules it passes
+    through: each once, in the order the request's objects are layered (watcher, cycle, cancel
+    scope, the loop's lane). A module entered twice would be state or a decision split across
+    modules."""
+    stacks: list[list[str]] = []
+
+    def record() -> None:
+        frames = traceback.extract_stack()[:-2]  # (this function and the patched cancel)
+        modules = [Path(frame.filename).stem for frame in frames if PACKAGE in frame.filename]
+        stacks.append(
+            [module for i, module in enumerate(modules) if modules[i - 1 : i] != [module]]
+        )
+
+    if walk == "trio":
+        import trio
+
+        cancel = trio.CancelScope.cancel
+
+        def cancel_and_record(self: trio.CancelScope) -> None:
+            record()
+            cancel(self)
+
+        monkeypatch.setattr(trio.CancelScope, "cancel", cancel_and_record)
+    else:
+
+        class Recording(asyncio.Task):  # type: ignore[type-arg]
+            def cancel(self, msg: Any = None) -> bool:
+                record()
+                return super().cancel(msg)
+
+        loop = asyncio.get_running_loop()
+        loop.set_task_factory(lambda loop, coro, **kw: Recording(coro, loop=loop, **kw))
+
+    queue: asyncio.Queue[Message] | None = None
+    server = ClientConnection()
+    receive: Receive = server.receive
+    if walk == "asyncio-by-hand":
+        queue = asyncio.Queue()
+        queue.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+        receive = queue.get
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await anyio.sleep(30)
+
+    middleware = CancelOnDisconnectMiddleware(app, watch_delay=0)
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(middleware, http_scope(), receive, server.send)
+            await anyio.sleep(0.05)
+            stacks.clear()  # (the task group's own cancellations, if any)
+            if queue is not None:
+                queue.put_nowait({"type": "http.disconnect"})
+            else:
+                server.disconnect()
+            await until(lambda: bool(stacks))
+    finally:
+        if walk != "trio":
+            asyncio.get_running_loop().set_task_factory(None)
+    assert stacks[0] == WALKS[walk]

@@ -280,7 +280,8 @@ async def table(scope: Scope, receive: Receive, send: Send) -> None:
     try:
         await endpoint(scope, receive, send, rid)
     except CANCELLED as exc:
-        record(rid, "cancelled", exc=type(exc).__name__, **token_state(), pid=os.getpid())
+        watcher = events.watcher_kind()
+        record(rid, "cancelled", exc=type(exc).__name__, watcher=watcher, **token_state())
         raise
     finally:
         inflight -= 1

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from asgi_cancel import current_token
+from asgi_cancel._token import current_request
 from asgi_cancel.types import CancelledRequest
 
 Scope = MutableMapping[str, Any]
@@ -76,6 +77,18 @@ def token_state() -> dict[str, Any]:
         "reason": token.reason,
         "request_id": token.request_id,
     }
+
+
+def watcher_kind() -> str | None:
+    """How the middleware watches the current request: `HandStepped` (its watcher stepped by
+    hand, no task: asyncio servers whose receive() it knows), `Task`, or `trio`; None outside
+    a watched request."""
+    request = current_request()
+    lane = getattr(request, "lane", None)
+    if lane is None:
+        return None
+    watcher = getattr(lane, "watcher", "trio")
+    return watcher if isinstance(watcher, str) else type(watcher).__name__
 
 
 def record_hook(request: CancelledRequest) -> None:

@@ -39,6 +39,9 @@ class ServerSpec:
     argv: Callable[[str, int], list[str]]
     # daphne (Twisted) reads the whole request body before it calls the app.
     buffers_request_body: bool = False
+    # How the middleware watches a request there (`events.watcher_kind()`): its watcher stepped
+    # by hand where it knows the server's receive() (`_servers.steppable()`), else in a task.
+    watcher: str = "HandStepped"
 
     def __str__(self) -> str:
         return self.name
@@ -71,7 +74,9 @@ HYPERCORN_ASYNCIO = ServerSpec(
     "hypercorn-asyncio", command(*HYPERCORN_ARGS, "-k", "asyncio", "--graceful-timeout", "2")
 )
 HYPERCORN_TRIO = ServerSpec(
-    "hypercorn-trio", command(*HYPERCORN_ARGS, "-k", "trio", "--graceful-timeout", "2")
+    "hypercorn-trio",
+    command(*HYPERCORN_ARGS, "-k", "trio", "--graceful-timeout", "2"),
+    watcher="trio",
 )
 # daphne cancels a still-running app task itself 10 s after the client left, or after the end
 # of a normal response (post-response work included).
@@ -85,13 +90,14 @@ GRANIAN = ServerSpec(
     command("granian", "--interface", "asgi", "--host", "{host}", "--port", "{port}",
             "--workers", "1", "--no-ws", "{target}"),
 )  # fmt: skip
-GUNICORN = ServerSpec("gunicorn", command(*GUNICORN_ARGS))
+GUNICORN = ServerSpec("gunicorn", command(*GUNICORN_ARGS), watcher="Task")
 # HTTP/1.1 and h2c on one port: prior-knowledge h2c from 127.0.0.1 (in the default
 # --forwarded-allow-ips); "both" rather than "prior-knowledge" so the HTTP/1.1 ready probe is
 # still served, not refused with 400.
 GUNICORN_H2 = ServerSpec(
     "gunicorn-h2c",
     command(*GUNICORN_ARGS, "--http-protocols", "h2,h1", "--http2-cleartext", "both"),
+    watcher="Task",
 )
 HTTP1_SERVERS = (
     UVICORN_HTTPTOOLS, UVICORN_H11, HYPERCORN_ASYNCIO, HYPERCORN_TRIO, DAPHNE, GRANIAN, GUNICORN,
