@@ -6,7 +6,7 @@ to the end in one step (a hello world, a cached answer) costs a `Cycle` and noth
 timer, no lane. One that yields has its first wait relayed to the task (`relayed`), the rest of
 it resumed with no frame of ours between (`Cycle.__await__`), and is watched once it has run for
 `watch_delay` seconds (`watch_after`): on the servers whose `receive()` awaits only the loop's
-futures by stepping the watcher by hand (`AsyncioLane.step_watcher`), else in a task. Its
+futures by stepping the watcher by hand (`_stepped.HandStepped`), else in a task. Its
 `AsyncioLane` cancels the server's task, once.
 """
 
@@ -19,12 +19,14 @@ import sys
 import types
 from collections.abc import Awaitable, Generator, Iterable
 from time import monotonic
-from typing import Any
+from typing import Any, Protocol
 
 from ._asyncio_lane import NO_CONTEXT, AsyncioLane, awaited, current_task
-from ._cycle import FINISHED, Cycle
+from ._cycle import FINISHED, Cycle, Options
 from ._responses import COMPLETION_TIMEOUT, complete_stopped, logger
-from .types import Receive, Send
+from ._session import Session
+from ._tracking import Tracking
+from .types import AnyASGIApp, Receive, Scope, Send
 
 __all__ = [
     "DONE",
@@ -33,6 +35,7 @@ __all__ = [
     "end_tasks",
     "propagating",
     "relayed",
+    "run_session",
 ]
 
 DONE: Any = object()  # an app that returned in its first step yielded nothing
@@ -44,14 +47,12 @@ def relayed(step: Any) -> Generator[Any, None, None]:
     yield step
 
 
-def watch_after(cycle: Cycle[AsyncioLane], app: object, delay: float) -> asyncio.TimerHandle | None:
+def watch_after(cycle: Cycle[AsyncioLane], delay: float) -> asyncio.TimerHandle | None:
     """The app waits: watch the request in `delay` seconds (at once for 0); the timer to cancel
-    if it ends first. Until then the request has no lane: most never need one. `app` is what
-    the app's call returned: its coroutine, whose await chain tells what it waits on."""
+    if it ends first. Until then the request has no lane: most never need one."""
     cycle.started_at = monotonic()
     task: asyncio.Task[Any] = current_task()
     cycle.app_task = task
-    cycle.app = app
     lane = cycle.lane
     if lane is not None:  # made in the app's first step, maybe in a worker thread
         lane.task = task
@@ -67,12 +68,52 @@ def _start_watching(cycle: Cycle[AsyncioLane]) -> None:
 
 
 async def completed(cycle: Cycle[Any], receive: Receive, send: Send) -> None:
-    """Complete a stopped request (`complete_stopped`), waiting at most `COMPLETION_TIMEOUT`
-    seconds: the server's send may never return on a dead connection."""
+    """Complete a stopped request (`complete_stopped`)."""
+    await bounded(complete_stopped(cycle, receive, send))
+
+
+async def bounded(completion: Awaitable[None]) -> None:
+    """Await the middleware's own completion of a stopped request, at most
+    `COMPLETION_TIMEOUT` seconds: the server's send may never return on a dead connection."""
     try:
-        await asyncio.wait_for(complete_stopped(cycle, receive, send), COMPLETION_TIMEOUT)
+        await asyncio.wait_for(completion, COMPLETION_TIMEOUT)
     except asyncio.TimeoutError:
         logger.debug("the server's send did not return; not completing the response")
+
+
+class SessionOptions(Options, Protocol):
+    app: AnyASGIApp
+
+
+async def run_session(
+    options: SessionOptions, tracking: Tracking | None, scope: Scope, receive: Receive, send: Send
+) -> Any:
+    """A websocket connection on asyncio: watched from its start (in a frame of its own: a
+    session's messages are not the hot path a request's first step is)."""
+    session: Session[AsyncioLane] = Session(scope, receive, send, options, AsyncioLane)
+    session.app_task = current_task()
+    lane = session.ensure_lane()
+    if tracking is not None:
+        refused = tracking.begin(session)
+        if refused is not None:
+            session.finished()
+            return await refused
+        lane.track(tracking)
+    session.app = options.app(scope, session.receive, session.send)
+    lane.watch_now()
+    result = None
+    try:
+        result = await session.app
+    except asyncio.CancelledError:
+        if not session.absorbs():
+            raise  # from outside (server shutdown, an outer timeout): it goes on
+    finally:
+        session.finished()
+        if lane.close():  # tasks the session started are left
+            await end_tasks(lane, propagating())
+    if session.stopped_with is not None:
+        await bounded(session.complete(send))
+    return result
 
 
 def propagating() -> BaseException | None:

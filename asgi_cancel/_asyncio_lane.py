@@ -7,17 +7,17 @@ import _asyncio
 import asyncio
 import contextvars
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from time import monotonic
+from types import TracebackType
 from typing import Any
 
 from ._asyncio_task import in_anyio_shield, reacting, thread_future, woken
-from ._backend import Timer
-from ._cycle import Cycle
+from ._backend import Served, Timer
 from ._responses import logger
 from ._servers import steppable
+from ._stepped import HandStepped
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
-from ._watcher import watch
 
 __all__ = ["NO_CONTEXT", "AsyncioLane", "awaited", "cancelling", "current_task", "uncancel"]
 
@@ -53,10 +53,9 @@ _GRACE_HOPS = 3
 class AsyncioLane:
     """One request's asyncio operations: its task, parked callers, watcher, timers, tasks.
 
-    The watcher (`Cycle.watch`) runs in a task of its own, except on the servers whose
+    The watcher (`_watcher.watch`) runs in a task of its own, except on the servers whose
     `receive()` awaits nothing but futures of the running loop (`_servers.steppable()`): there
-    the lane steps it by hand (`step_watcher()`), as a task would, without a task to create,
-    register, cancel and wait for.
+    it is stepped by hand (`_stepped.HandStepped`), without a task.
     """
 
     __slots__ = (
@@ -67,21 +66,17 @@ class AsyncioLane:
         "spawned",
         "task",
         "tracking",
-        "waits_on",
         "watcher",
         "watching",
     )
 
-    def __init__(self, cycle: Cycle[AsyncioLane]) -> None:
+    def __init__(self, cycle: Served) -> None:
         self.cycle = cycle
         # The request's own task: once the app first waited, the one that ran its first step
         # (`watch_after` sets it); before that, the caller's, unless a worker thread's.
         task = cycle.app_task
         self.task: asyncio.Task[Any] = task if task is not None else current_task()
-        self.watcher: Coroutine[Any, Any, None] | asyncio.Task[None] | None = None
-        self.waits_on: asyncio.Future[Any] | None = (
-            None  # what the watcher, stepped by hand, awaits
-        )
+        self.watcher: HandStepped | asyncio.Task[None] | None = None
         self.watching = False  # the watcher started, and has not ended
         self.parked: list[asyncio.Future[None]] | None = None  # app callers waiting
         self.spawned: set[asyncio.Task[object]] | None = None  # on_cancel callbacks' tasks
@@ -106,53 +101,18 @@ class AsyncioLane:
         cycle = self.cycle
         if self.watcher is None and not self.watching and cycle.watchable():
             self.watching = True
-            self.watcher = watch(cycle)
+            loop = self.task.get_loop()
             if steppable(cycle.real_receive):
-                self.step_watcher()
+                watcher = self.watcher = HandStepped(loop, cycle.watcher())
+                watcher.step()
             else:
                 # In a context of its own: the task must not keep the request's alive.
-                create_task = self.task.get_loop().create_task
-                self.watcher = contextvars.Context().run(create_task, self.watcher)
+                self.watcher = contextvars.Context().run(loop.create_task, cycle.watcher())
         return self.watching
 
     def watch_ended(self) -> None:
         self.watching = False
         self.wake()
-
-    def step_watcher(self, _: object = None) -> None:
-        """Take the watcher's next step by hand: each future it awaits calls this again once
-        done, in no request's context."""
-        watcher = self.watcher
-        if watcher is None or isinstance(watcher, asyncio.Task):
-            return  # closed after its future's callback was due
-        self.waits_on = None
-        try:
-            waits_on = watcher.send(None)
-        except (StopIteration, asyncio.CancelledError):  # it returned, or was stopped
-            self.watcher = None
-            return
-        if waits_on is None:  # a bare yield (asyncio.sleep(0)): on with the next iteration
-            self.task.get_loop().call_soon(self.step_watcher, context=NO_CONTEXT)
-            return
-        # An asyncio future, as a task gets it: mark it taken, go on once it is done.
-        waits_on._asyncio_future_blocking = False
-        waits_on.add_done_callback(self.step_watcher, context=NO_CONTEXT)
-        self.waits_on = waits_on
-
-    def _stop_watcher(self) -> None:
-        # The request is over. A watcher stepped by hand whose next step is due is left to it
-        # (it ends there: uvicorn answers its receive() once the response is complete); one that
-        # waits is closed where it waits, as a task's cancellation would leave the server's
-        # receive().
-        watcher, waits_on = self.watcher, self.waits_on
-        if watcher is None or isinstance(watcher, asyncio.Task):
-            return
-        if waits_on is not None and waits_on.done():
-            return
-        self.watcher = self.waits_on = None
-        if waits_on is not None:
-            waits_on.remove_done_callback(self.step_watcher)
-        watcher.close()
 
     # -- Lane --------------------------------------------------------------------------------
     async def park(self) -> None:
@@ -176,6 +136,19 @@ class AsyncioLane:
 
     async def checkpoint(self) -> None:
         await asyncio.sleep(0)
+
+    def enter(self) -> object:
+        # A turn's lane: its task is the caller's, which `__init__` took.
+        return None
+
+    def leave(
+        self,
+        entered: object,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        return False  # the turn's scope tells whether its own cancellation ended it
 
     def in_app_task(self) -> bool:
         return self.task is current_task()
@@ -253,7 +226,8 @@ class AsyncioLane:
     def close(self) -> bool:
         """The app has returned: stop the timers and a watcher stepped by hand, leave the
         registry. Returns whether tasks the request started are left (`wait_for_tasks()`)."""
-        self._stop_watcher()
+        if isinstance(self.watcher, HandStepped):
+            self.watcher.close()
         if self.later is not None:
             self.later.cancel()
         if self.tracking is not None:

@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Any
 
-from ._token import Request, request_in
+from ._token import request_in
 
 logger = logging.getLogger("asgi_cancel")
 _warned: set[str] = set()
@@ -121,7 +121,7 @@ def _dispatch_codes() -> tuple[object, object]:
     return anyio_code, asgiref_code
 
 
-def reacting(task: asyncio.Task[Any], request: Request) -> bool:
+def reacting(task: asyncio.Task[Any], request: object) -> bool:
     """Whether the app is cancelling its own work: the app task, or a task it awaits.
 
     Django awaits the handler task it cancelled, Quart gathers them, anyio task groups

@@ -19,13 +19,28 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .types import Receive, Scope, Send
 
-__all__ = ["Backend", "Event", "Lane", "Library", "Timer", "library", "register", "running_library"]
+if TYPE_CHECKING:
+    from ._scope import CancelScope
+
+__all__ = [
+    "Backend",
+    "Canceller",
+    "Event",
+    "Lane",
+    "Library",
+    "Served",
+    "Timer",
+    "library",
+    "register",
+    "running_library",
+]
 
 _get_running_loop = asyncio.events._get_running_loop
 _loaders: dict[str, Callable[[], Library]] = {}
@@ -94,23 +109,9 @@ class Library(Protocol):
         """Run `awaitable` in a task no request waits for (best effort)."""
 
 
-class Lane(Protocol):
-    """One request's event-loop operations, made by its backend."""
-
-    async def park(self) -> None:
-        """Wait until `wake()`."""
-
-    def wake(self) -> None:
-        """Wake every parked caller, and let the watcher look again."""
-
-    async def checkpoint(self) -> None:
-        """Let a cancellation of the app task issued just now land here."""
-
-    def call_later(self, delay: float, callback: Callable[[], object]) -> Timer:
-        """Call `callback()` in the request's event loop in `delay` seconds."""
-
-    def call_soon_threadsafe(self, callback: Callable[[], object]) -> None:
-        """Call `callback()` in the request's event loop soon; from any thread."""
+class Canceller(Protocol):
+    """What a request's `CancelScope` needs from its event loop: cancel the task it scopes (once,
+    when it can be interrupted), take that back, and the timers and tasks around it."""
 
     def after_shield(self, callback: Callable[[], object]) -> None:
         """Call `callback()` (a deferred cancellation's delivery) as soon as it may land in the
@@ -118,15 +119,6 @@ class Lane(Protocol):
 
     def after_grace(self, callback: Callable[[], object]) -> Timer:
         """Call `callback()` once the grace period has passed and what was due by then ran."""
-
-    def watch_now(self) -> bool:
-        """Start the watcher if it has not started; returns whether it is watching."""
-
-    def watch_ended(self) -> None:
-        """The watcher returned: wake the callers parked behind it."""
-
-    def in_app_task(self) -> bool:
-        """Whether the caller runs in the app task itself (not a task it started)."""
 
     def spawn(self, awaitable: Awaitable[object]) -> None:
         """Run `awaitable` in a task of its own, which the request's end waits for."""
@@ -145,6 +137,75 @@ class Lane(Protocol):
 
     def reacting(self) -> bool:
         """Whether the app is cancelling its own work (it listened for the disconnect)."""
+
+
+class Lane(Canceller, Protocol):
+    """One request's event-loop operations, made by its backend."""
+
+    async def park(self) -> None:
+        """Wait until `wake()`."""
+
+    def wake(self) -> None:
+        """Wake every parked caller, and let the watcher look again."""
+
+    async def checkpoint(self) -> None:
+        """Let a cancellation of the app task issued just now land here."""
+
+    def call_later(self, delay: float, callback: Callable[[], object]) -> Timer:
+        """Call `callback()` in the request's event loop in `delay` seconds."""
+
+    def call_soon_threadsafe(self, callback: Callable[[], object]) -> None:
+        """Call `callback()` in the request's event loop soon; from any thread."""
+
+    def watch_now(self) -> bool:
+        """Start the watcher if it has not started; returns whether it is watching."""
+
+    def watch_ended(self) -> None:
+        """The watcher returned: wake the callers parked behind it."""
+
+    def enter(self) -> object:
+        """A `turn()` inside the request begins, in the caller's task: what its cancellation
+        will reach (trio: a cancel scope entered now). Returns what `leave()` takes."""
+
+    def leave(
+        self,
+        entered: object,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        """The turn ends (`entered` is what `enter()` returned): whether the loop swallowed
+        `exc`, the turn's own cancellation (trio's cancel scope does)."""
+
+    def in_app_task(self) -> bool:
+        """Whether the caller runs in the app task itself (not a task it started)."""
+
+
+class Served(Protocol):
+    """What a lane needs from the request it serves: an HTTP cycle (`_cycle.Cycle`) or a
+    websocket session (`_session.Session`)."""
+
+    app: Any  # what the app's call returned
+    app_task: Any  # the backend's hold on the app task, once it first waited
+    real_receive: Receive
+
+    @property
+    def options(self) -> GraceOption: ...
+
+    @property
+    def cancel_scope(self) -> CancelScope: ...
+
+    def stop(self, reason: str, status: int) -> bool: ...
+
+    def in_app_task(self) -> bool: ...
+
+    def watchable(self) -> bool: ...
+
+    def watcher(self) -> Coroutine[Any, Any, None]: ...
+
+
+class GraceOption(Protocol):
+    grace: float
 
 
 class Backend(Protocol):

@@ -11,16 +11,17 @@ import enum
 import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._backend import Lane
+from ._backend import Lane, Served
 from ._messages import DISCONNECT, announces_body, response_complete
 from ._report import report_cancelled
 from ._scope import CancelScope
 from ._servers import in_send
 from ._token import bind, unbind
+from ._watcher import watch
 from .types import CancelledRequest, Message, OnCancelled, Receive, Scope, Send
 
 logger = logging.getLogger("asgi_cancel")
@@ -97,6 +98,7 @@ class Cycle(Generic[L]):
     # `__init__` sets, nothing more): `started_at` once the app first waited or its lane was
     # made, `last_sent` by `send()`, the watcher's by `watch()`,
     # `stopped` by `_stop()`. tests/test_cycle.py checks each is set before it is read.
+    app: Any  # what the app's call returned (its coroutine): set before the app runs
     started_at: float
     last_sent: Message
     holding: bool
@@ -109,7 +111,7 @@ class Cycle(Generic[L]):
         receive: Receive,
         send: Send,
         options: Options,
-        make_lane: Callable[[Cycle[L]], L],
+        make_lane: Callable[[Served], L],
     ) -> None:
         self.scope = scope
         self.real_receive = receive
@@ -122,9 +124,7 @@ class Cycle(Generic[L]):
         self.state = READING_BODY
         self.lane: L | None = None
         self._scope: CancelScope | None = None
-        # The backend's hold on the app once it first waited (asyncio: its task, coroutine).
-        self.app_task: Any = None
-        self.app: Any = None
+        self.app_task: Any = None  # the backend's hold on the app task, once it first waited
         self.disconnect: Message | None = None  # what the app's receive() gets from now on
         self.stopped_with: int | None = None  # the status a stopped request is answered
         self.first_sent: Message | None = None
@@ -159,6 +159,10 @@ class Cycle(Generic[L]):
 
     def in_app_task(self) -> bool:
         return self.ensure_lane().in_app_task()
+
+    def new_lane(self, served: Any) -> L:
+        """A lane of the request's event loop for `served` (a `turn()` inside it)."""
+        return self.make_lane(served)
 
     def ensure_lane(self) -> L:
         """The request's `Lane`, made on first need (its watcher starts, it must stop, a
@@ -261,6 +265,12 @@ class Cycle(Generic[L]):
     def watchable(self) -> bool:
         """Whether there is anything left to watch for (the watcher starts only if so)."""
         return self.disconnect is None and self.state is not FINISHED
+
+    def ended(self) -> bool:
+        return self.state is FINISHED
+
+    def watcher(self) -> Coroutine[Any, Any, None]:
+        return watch(self)
 
     def hold(self) -> None:
         """The watcher waits for the app's first move (`Expect: 100-continue`): the app asks

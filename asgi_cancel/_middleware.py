@@ -12,6 +12,7 @@ from ._asyncio import (
     end_tasks,
     propagating,
     relayed,
+    run_session,
     watch_after,
 )
 from ._asyncio import LIBRARY as asyncio_library
@@ -59,7 +60,11 @@ class CancelOnDisconnectMiddleware:
     asyncio, a cancel scope on trio), waits for the app to finish its cleanup, and returns
     normally. Disconnects are cached and replayed to every `receive()` caller in the app.
 
-    Only `http` scopes are handled; `websocket` and `lifespan` pass straight through.
+    `websocket` scopes are handled too (unless `websockets=False`): from the connection on,
+    the middleware is the only caller of the server's `receive`, reads the client's messages
+    ahead of the app (bounded by `read_ahead`), replays them in order, and on
+    `websocket.disconnect` fires the session's token and cancels the app once, with the same
+    rules. `lifespan` scopes pass straight through.
 
     Args:
         app: the ASGI application to wrap.
@@ -97,6 +102,12 @@ class CancelOnDisconnectMiddleware:
         timeouts: per-route deadlines overriding `timeout`: a mapping of path prefixes
             (starting with `/`, matched as for `exclude`) to seconds or None (the longest
             matching prefix wins), or a callable `timeouts(scope) -> seconds | None`.
+        websockets: handle `websocket` scopes (see above); False passes them through untouched.
+            Default True.
+        session_timeout: a deadline in seconds for every websocket session (None: none): the
+            app is cancelled as for a disconnect and the client gets a close frame with code
+            4504 ("deadline exceeded"). `timeout` and `timeouts` apply to HTTP requests only;
+            `timeout_header` to both.
         timeout_header: a request header carrying the caller's remaining budget
             (`"x-request-timeout"`: `30`, `1.5`, `30s`, `500ms`, `2m`, at most 32
             characters; larger budgets count as a day); the deadline is the smaller of it and
@@ -121,6 +132,8 @@ class CancelOnDisconnectMiddleware:
         timeout: float | None = None,
         timeouts: Timeouts | None = None,
         timeout_header: str | None = None,
+        websockets: bool = True,
+        session_timeout: float | None = None,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI callable, got {_describe(app)}")
@@ -138,17 +151,22 @@ class CancelOnDisconnectMiddleware:
         self.on_cancelled = on_cancelled
         self.watch_delay = seconds("watch_delay", watch_delay)
         self.exclude = _excluder(exclude)
+        if not isinstance(websockets, bool):
+            raise ValueError(f"websockets must be True or False, got {_describe(websockets)}")
+        self.websockets = websockets
         self.registry = registry
         tracking = None
-        options = (registry, timeout, timeouts, timeout_header)
+        options = (registry, timeout, timeouts, timeout_header, session_timeout)
         if any(option is not None for option in options):
-            tracking = Tracking(registry, timeout, timeouts, timeout_header)
+            tracking = Tracking(registry, timeout, timeouts, timeout_header, session_timeout)
         self._tracking = tracking
         self._trio: Backend | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
         # What the app returned is returned: servers report an ASGI app that returns a value.
         if scope["type"] != "http" or (self.exclude is not None and self.exclude(scope)):
+            if scope["type"] == "websocket" and self.websockets and not self._excluded(scope):
+                return await self._session(scope, receive, send)
             return await self.app(scope, receive, send)
         if _get_running_loop() is None:  # not asyncio: `running_library()` tells which
             return await self._trio_backend().run(scope, receive, send)
@@ -164,7 +182,7 @@ class CancelOnDisconnectMiddleware:
                 return await refused
             cycle.ensure_lane().track(tracking)
             send = cycle.real_send  # the middleware's own answers carry the id too
-        app = self.app(scope, cycle.receive, cycle.send)
+        app = cycle.app = self.app(scope, cycle.receive, cycle.send)
         steps = app.__await__()
         timer = result = None
         try:
@@ -176,7 +194,7 @@ class CancelOnDisconnectMiddleware:
             else:
                 step = DONE
             if step is not DONE:
-                timer = watch_after(cycle, app, self.watch_delay)
+                timer = watch_after(cycle, self.watch_delay)
                 while True:
                     # The app's first wait is handed to the task as the app would hand it; a
                     # cancellation the task throws in goes to the app, which may wait again.
@@ -207,6 +225,14 @@ class CancelOnDisconnectMiddleware:
         if cycle.stopped_with is not None:
             await completed(cycle, receive, send)
         return result
+
+    def _excluded(self, scope: Scope) -> bool:
+        return self.exclude is not None and self.exclude(scope)
+
+    async def _session(self, scope: Scope, receive: Receive, send: Send) -> Any:
+        if _get_running_loop() is None:
+            return await self._trio_backend().run(scope, receive, send)
+        return await run_session(self, self._tracking, scope, receive, send)
 
     def _trio_backend(self) -> Backend:
         if self._trio is None:

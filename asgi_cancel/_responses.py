@@ -23,26 +23,42 @@ logger = logging.getLogger("asgi_cancel")
 # (hypercorn over HTTP/2 with data still buffered, an outer middleware) must not keep the
 # request, and the server's task, alive forever.
 COMPLETION_TIMEOUT = 1.0
+# A websocket stopped by the middleware is closed with the status an HTTP request would get, in
+# the range RFC 6455 leaves to applications: 4499 cancelled, 4504 deadline exceeded, 4400.
+WEBSOCKET_CLOSE_CODES = 4000
 _LAST_TRAILERS: Message = {"type": "http.response.trailers", "headers": [], "more_trailers": False}
 
 
-def error_response(status: int, message: str) -> tuple[Message, Message]:
-    """The two ASGI messages of a small JSON error response: `{"error": message}`."""
+def error_response(status: int, message: str, *, prefix: str = "") -> tuple[Message, Message]:
+    """The two ASGI messages of a small JSON error response: `{"error": message}` (`prefix`:
+    `"websocket."` for a websocket's denial response)."""
     body = json.dumps({"error": message}).encode()
     start: Message = {
-        "type": "http.response.start",
+        "type": prefix + "http.response.start",
         "status": status,
         "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ],
     }
-    return start, {"type": "http.response.body", "body": body}
+    return start, {"type": prefix + "http.response.body", "body": body}
 
 
-async def refuse(send: Send, status: int, message: str) -> None:
-    """Answer a request the app never sees (a malformed header: 400; no budget left: 504)."""
-    start, body = error_response(status, message)
+async def refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+    """Answer a request the app never sees (a malformed header: 400; no budget left: 504).
+
+    A websocket handshake is refused with that response where the server offers ASGI's denial
+    response, else with a close before the accept (the server answers 403), its code the
+    status in the private range (`4000 + status`) and its reason `message`."""
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect: what the app would have read first
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            code = WEBSOCKET_CLOSE_CODES + status
+            await send({"type": "websocket.close", "code": code, "reason": message})
+            return
+        start, body = error_response(status, message, prefix="websocket.")
+    else:
+        start, body = error_response(status, message)
     await send(start)
     await send(body)
 
@@ -78,7 +94,9 @@ async def complete_stopped(cycle: Cycle[Any], receive: Receive, send: Send) -> N
                 await send_cancelled_response(cycle.scope, send)
             return
         if cycle.first_sent is None:
-            await refuse(send, status, cycle.cancel_scope.reason or "cancelled")
+            await refuse(
+                cycle.scope, receive, send, status, cycle.cancel_scope.reason or "cancelled"
+            )
             return
         if not body_complete(cycle.last_sent) and await _cut(cycle, receive, send):
             return

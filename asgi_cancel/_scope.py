@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from time import monotonic
 from typing import Any
 
-from ._backend import Lane, Timer, library
+from ._backend import Canceller, Timer, library
 
 __all__ = ["CancelScope", "TokenUsage"]
 
@@ -76,7 +76,7 @@ class CancelScope:
         "usage",
     )
 
-    def __init__(self, lane: Lane | None = None) -> None:
+    def __init__(self, lane: Canceller | None = None) -> None:
         self.lane = lane
         self.cancel_called = False
         self.reason: str | None = None

@@ -13,7 +13,7 @@ them (docs/servers.md has the measurements):
   returns from the final send once the connection closed.
 - `steppable(receive)`: the servers whose `receive()` awaits nothing but futures of the running
   loop (no `asyncio.current_task()`, no timeout), so that the watcher can step it by hand
-  without a task of its own (`AsyncioLane.step_watcher`): uvicorn (an `asyncio.Event`), hypercorn
+  without a task of its own (`_stepped.HandStepped`): uvicorn (an `asyncio.Event`), hypercorn
   and daphne (an `asyncio.Queue`'s `get`), granian (a future of its own).
 - `abort(scope, receive, send)`: a started response the middleware has to cut (its deadline
   passed) must look cut to the client, which a final empty body hides, with nothing in the

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ContextDecorator, contextmanager
 from typing import Any, Protocol, TypeVar
 
-from ._backend import library
+from ._backend import Lane, library
 from ._scope import CancelScope, TokenUsage
 
 __all__ = ["CancelToken", "Request", "TokenUsage", "current_token", "detach", "shield"]
@@ -26,9 +26,16 @@ class Request(Protocol):
     def cancel_scope(self) -> CancelScope:
         """The request's scope, the same one every time."""
 
+    @property
+    def options(self) -> Any:
+        """The middleware's options."""
+
     def in_app_task(self) -> bool:
         """Whether the caller runs in the request's own task (the one its cancellation
         reaches), not in one the app started."""
+
+    def new_lane(self, served: Any) -> Lane:
+        """A lane of the request's event loop for `served` (a `turn()` inside it)."""
 
 
 _current: contextvars.ContextVar[Request] = contextvars.ContextVar("asgi_cancel_request")

@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from ._registry import (
     CANCELLED,
@@ -27,10 +27,24 @@ from ._registry import (
 from ._report import escaped
 from ._responses import refuse
 from ._validate import seconds_or_none
-from .types import Message, Scope, Send
+from .types import Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from ._cycle import Cycle
+    from ._backend import Served
+    from ._scope import CancelScope
+
+
+class Tracked(Protocol):
+    """What `Tracking.begin()` reads and sets on a request: an HTTP cycle or a websocket
+    session."""
+
+    scope: Scope
+    real_receive: Receive
+    real_send: Send
+
+    @property
+    def cancel_scope(self) -> CancelScope: ...
+
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -79,7 +93,15 @@ def route_path(scope: Scope) -> str:
 class Tracking:
     """The middleware's id and deadline options, checked once, applied per request."""
 
-    __slots__ = ("id_header", "prefixes", "registry", "route_timeout", "timeout", "timeout_header")
+    __slots__ = (
+        "id_header",
+        "prefixes",
+        "registry",
+        "route_timeout",
+        "session_timeout",
+        "timeout",
+        "timeout_header",
+    )
 
     def __init__(
         self,
@@ -87,12 +109,14 @@ class Tracking:
         timeout: float | None,
         timeouts: Timeouts | None,
         timeout_header: str | None,
+        session_timeout: float | None = None,
     ) -> None:
         if registry is not None and not isinstance(registry, CancelRegistry):
             raise ValueError(f"registry must be a CancelRegistry or None, got {registry!r}")
         self.registry = registry
         self.id_header = registry.header.encode("ascii") if registry is not None else None
         self.timeout = seconds_or_none("timeout", timeout, positive=True)
+        self.session_timeout = seconds_or_none("session_timeout", session_timeout, positive=True)
         self.route_timeout: Callable[[Scope], float | None] | None = None
         self.prefixes: list[tuple[str, float | None]] = []
         if callable(timeouts):
@@ -115,6 +139,8 @@ class Tracking:
         )
 
     def configured_timeout(self, scope: Scope) -> float | None:
+        if scope["type"] == "websocket":  # a session's own deadline, not a request's
+            return self.session_timeout
         if self.route_timeout is not None:
             return self.route_timeout(scope)
         if self.prefixes:
@@ -124,7 +150,7 @@ class Tracking:
                     return seconds
         return self.timeout
 
-    def begin(self, cycle: Cycle[Any]) -> Awaitable[None] | None:
+    def begin(self, cycle: Tracked) -> Awaitable[None] | None:
         """Give the request its id and deadline; returns the response to send instead of
         running the app (a malformed id or timeout header: 400; no budget left: 504), else
         None."""
@@ -143,7 +169,9 @@ class Tracking:
                 return self._refuse(cycle, self.id_header, request_id, expected)
             cycle.real_send = SendWithId(cycle.real_send, self.id_header, request_id)
             if self.registry is not None and self.registry.cancelled_before_it_came(request_id):
-                return refuse(cycle.real_send, CANCELLED_STATUS, CANCELLED)
+                return refuse(
+                    scope, cycle.real_receive, cycle.real_send, CANCELLED_STATUS, CANCELLED
+                )
             cancel_scope.request_id = request_id
             state = scope.get("state")
             if isinstance(state, dict):  # Starlette's request.state.request_id
@@ -161,12 +189,14 @@ class Tracking:
                 seconds = passed if seconds is None else min(seconds, passed)
         if seconds is not None:
             if seconds <= 0:
-                return refuse(cycle.real_send, DEADLINE_STATUS, DEADLINE_EXCEEDED)
+                return refuse(
+                    scope, cycle.real_receive, cycle.real_send, DEADLINE_STATUS, DEADLINE_EXCEEDED
+                )
             cancel_scope.deadline = monotonic() + seconds
         return None
 
     @staticmethod
-    def _refuse(cycle: Cycle[Any], header: bytes, value: str, expected: str) -> Awaitable[None]:
+    def _refuse(cycle: Tracked, header: bytes, value: str, expected: str) -> Awaitable[None]:
         name = header.decode("ascii")
         logger.info(
             "%s %s refused: malformed %s header %s",
@@ -175,19 +205,23 @@ class Tracking:
             name,
             escaped(repr(value)),
         )
-        return refuse(cycle.real_send, 400, f"malformed {name} header: expected {expected}")
+        expected = f"malformed {name} header: expected {expected}"
+        return refuse(cycle.scope, cycle.real_receive, cycle.real_send, 400, expected)
 
     def register(
-        self, cycle: Cycle[Any], call_soon_threadsafe: Callable[[Callable[[], object]], object]
+        self, cycle: Served, call_soon_threadsafe: Callable[[Callable[[], object]], object]
     ) -> None:
         request_id = cycle.cancel_scope.request_id
         if self.registry is not None and request_id is not None:
             self.registry.register(request_id, cycle, call_soon_threadsafe)
 
-    def unregister(self, cycle: Cycle[Any]) -> None:
+    def unregister(self, cycle: Served) -> None:
         request_id = cycle.cancel_scope.request_id
         if self.registry is not None and request_id is not None:
             self.registry.unregister(request_id, cycle)
+
+
+_STARTS = ("http.response.start", "websocket.accept", "websocket.http.response.start")
 
 
 class SendWithId:
@@ -209,7 +243,7 @@ class SendWithId:
 
     def __call__(self, message: Message) -> Awaitable[None]:
         send = self.__wrapped__
-        if message["type"] != "http.response.start":
+        if message["type"] not in _STARTS:
             return send(message)
         header = self.header
         headers = message.get("headers", ())

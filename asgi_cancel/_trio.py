@@ -9,14 +9,17 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from time import monotonic
+from types import TracebackType
 from typing import Any, Protocol
 
 import trio
 
+from ._backend import Served
 from ._cycle import Cycle, Options
 from ._responses import COMPLETION_TIMEOUT, complete_stopped, logger
+from ._session import Session
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
-from ._watcher import watch
+from ._watcher import watch_within
 from .types import AnyASGIApp, Receive, Scope, Send
 
 if sys.version_info < (3, 11):  # trio depends on the backport there
@@ -41,17 +44,22 @@ class TrioBackend:
         self.tracking = tracking
 
     async def run(self, scope: Scope, receive: Receive, send: Send) -> Any:
-        """Run one request; returns what the app returned."""
-        cycle: Cycle[TrioLane] = Cycle(scope, receive, send, self.options, TrioLane)
+        """Run one request (an HTTP request or a websocket session); returns what the app
+        returned."""
+        request: Cycle[TrioLane] | Session[TrioLane]
+        if scope["type"] == "websocket":
+            request = Session(scope, receive, send, self.options, TrioLane)
+        else:
+            request = Cycle(scope, receive, send, self.options, TrioLane)
         tracking = self.tracking
         if tracking is not None:  # ids or deadlines: only when the options ask for them
-            refused = tracking.begin(cycle)
+            refused = tracking.begin(request)
             if refused is not None:
-                cycle.finished()
+                request.finished()
                 await refused
                 return None
-            send = cycle.real_send  # its completion, too, carries the request's id
-        lane = cycle.ensure_lane()
+            send = request.real_send  # its completion, too, carries the request's id
+        lane = request.ensure_lane()
         error: BaseException | None = None
         result = None
         try:
@@ -59,20 +67,20 @@ class TrioBackend:
                 lane.nursery = nursery
                 if tracking is not None:
                     lane.track(tracking)
-                nursery.start_soon(lane.watch)
+                nursery.start_soon(watch_within, lane.watch_scope, request)
                 try:
                     with lane.app_scope:
-                        cycle.app = self.app(scope, cycle.receive, cycle.send)
-                        result = await cycle.app
+                        request.app = self.app(scope, request.receive, request.send)
+                        result = await request.app
                 except asyncio.CancelledError:
                     # raise_if_cancelled() in a worker thread: asyncio's exception, trio's
                     # meaning.
-                    if cycle.stopped_with is None:
+                    if request.stopped_with is None:
                         raise
                 except BaseException as exc:  # re-raised below, outside the nursery's group
                     error = exc
                 finally:
-                    cycle.finished()
+                    request.finished()
                     lane.close()  # (the nursery waits for the lane's tasks)
         except BaseExceptionGroup as group:
             # An outside cancellation also cancels the watcher; its Cancelled must not replace
@@ -84,9 +92,12 @@ class TrioBackend:
             lane.nursery = None
         if error is not None:
             raise error
-        if cycle.stopped_with is not None:
+        if request.stopped_with is not None:
             with trio.move_on_after(COMPLETION_TIMEOUT) as bound:
-                await complete_stopped(cycle, receive, send)
+                if isinstance(request, Session):
+                    await request.complete(send)
+                else:
+                    await complete_stopped(request, receive, send)
             if bound.cancelled_caught:
                 logger.debug("the server's send did not return; not completing")
         return result
@@ -109,7 +120,7 @@ class TrioLane:
         "watching",
     )
 
-    def __init__(self, cycle: Cycle[TrioLane]) -> None:
+    def __init__(self, cycle: Served) -> None:
         self.cycle = cycle
         self.grace = cycle.options.grace
         self.parked = trio.lowlevel.ParkingLot()
@@ -133,14 +144,6 @@ class TrioLane:
     def _deadline_passed(self) -> None:
         self.cycle.stop(DEADLINE_EXCEEDED, DEADLINE_STATUS)
 
-    async def watch(self) -> None:
-        try:
-            with self.watch_scope:
-                if self.cycle.watchable():
-                    await watch(self.cycle)
-        finally:
-            self.watching = False
-
     def close(self) -> None:
         """The app has returned: end the watcher and the timers (the nursery waits for them),
         and leave the registry."""
@@ -162,6 +165,18 @@ class TrioLane:
         # Trio's cancellation is level-triggered: a cancelled app meets it here, or at its next
         # checkpoint anyway, a worker thread's included.
         await trio.lowlevel.checkpoint()
+
+    def enter(self) -> object:
+        return self.app_scope.__enter__()
+
+    def leave(
+        self,
+        entered: object,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        return bool(self.app_scope.__exit__(exc_type, exc, traceback))
 
     def in_app_task(self) -> bool:
         return True

@@ -1,26 +1,43 @@
-"""The watcher: from the end of the body on (or at once, for a request that has none), the one
-caller of the server's `receive()`, reading the body ahead of the app (bounded), until the
-disconnect, which it hands to the cycle (`Cycle.client_left`).
+"""The watchers: the one caller of the server's `receive()`, reading ahead of the app (bounded)
+until the disconnect, which they hand to their request (`client_left`). `watch` serves an HTTP
+request from the end of its body on (or at once, for one that has none); `watch_session` a
+websocket connection, from its start.
 
 Loop-agnostic: run in a task of its own (trio; asyncio behind a server it does not know) or
-stepped by hand (`_asyncio_lane.AsyncioLane.step_watcher`).
+stepped by hand (`_stepped.HandStepped`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
-from ._cycle import FINISHED, Cycle
 from ._messages import expects_continue
 from ._servers import paused_reading, reading_of
+
+if TYPE_CHECKING:
+    from ._cycle import Cycle
+    from ._session import Session
 
 logger = logging.getLogger("asgi_cancel")
 
 # Empty `http.request` messages tolerated after the body is complete before the watcher gives
 # up on a server's receive (a server that answered every call at once would otherwise spin).
 _MAX_EXTRA_REQUESTS = 3
+
+
+async def watch_within(
+    scope: AbstractContextManager[object], request: Cycle[Any] | Session[Any]
+) -> None:
+    """The request's watcher inside `scope` (trio's cancel scope, which ends it with the
+    request)."""
+    with scope:
+        if request.watchable():
+            await request.watcher()
+            return
+    request.ensure_lane().watch_ended()
 
 
 async def watch(cycle: Cycle[Any]) -> None:
@@ -44,7 +61,7 @@ async def watch(cycle: Cycle[Any]) -> None:
                     return
                 await lane.park()
             cycle.holding = False
-        while cycle.disconnect is None and cycle.state is not FINISHED:
+        while cycle.watchable():
             if cycle.reading or (
                 not cycle.body_complete and cycle.buffered and cycle.buffered >= read_ahead
             ):
@@ -64,7 +81,7 @@ async def watch(cycle: Cycle[Any]) -> None:
                 return
             finally:
                 cycle.reading = False
-            if cycle.state is FINISHED:
+            if cycle.ended():
                 return  # (uvicorn answers it once the response is complete)
             message_type = message["type"]
             if message_type == "http.disconnect":
@@ -90,4 +107,34 @@ async def watch(cycle: Cycle[Any]) -> None:
     finally:
         # Whatever ended the watch, callers parked behind it must look again: they may now
         # have to read the server's receive themselves.
+        lane.watch_ended()
+
+
+async def watch_session(session: Session[Any]) -> None:
+    """Hold the server's `receive()` for a websocket connection, from its start: every message
+    the client sends, read ahead of the app (at least one, at most `read_ahead`; then the
+    server's own backpressure applies), until the disconnect."""
+    receive = session.real_receive
+    lane = session.ensure_lane()
+    try:
+        while session.watchable():
+            if session.read_ahead_full():
+                await lane.park()  # until the app has taken some
+                continue
+            session.reading = True
+            try:
+                message = await receive()
+            except Exception:
+                # The app will meet the same error on its own receive; watching is over.
+                logger.debug("server receive() raised; not watching", exc_info=True)
+                return
+            finally:
+                session.reading = False
+            if session.ended():
+                return
+            if message["type"] == "websocket.disconnect":
+                session.client_left(message)
+                return
+            session.received(message)
+    finally:
         lane.watch_ended()

@@ -52,6 +52,10 @@ class CancelledRequest:
         usage: what an engine spent on the request, in tokens (zeros where no binding counts);
             live: a binding that counts an engine's outputs (`asgi_cancel.vllm`) keeps filling
             it in until the request is over, so read it in the callable the hook returns.
+        close_code: for a websocket session, the close code (the client's, or the one the
+            middleware closes a stopped session with); None for an HTTP request.
+
+    For a websocket session, `response_started` says whether the app had accepted it.
     """
 
     scope: Scope
@@ -59,6 +63,7 @@ class CancelledRequest:
     elapsed: float
     response_started: bool
     usage: TokenUsage
+    close_code: int | None = None
 
 
 # `on_cancelled(request)`, called once per cancelled request; what it returns, if not None, is

@@ -43,6 +43,8 @@ BAD_OPTIONS: dict[str, list[Any]] = {
     "exclude": [(), ("payments",), 42, [b"/x"]],
     "registry": ["yes"],
     "timeout": [0, -1, float("inf"), "30s"],
+    "session_timeout": [0, -1, float("nan"), "30s"],
+    "websockets": ["yes", 1, None],
     "timeouts": [5, {"/x": -1}, {"v1": 0.5}, {"": 0.5}, {"/v1": float("inf")}],
     # A header option must be a header name (str): one that is not could never match, or
     # would be forwarded as a forged header.
@@ -68,9 +70,18 @@ def test_valid_options_are_kept_not_an_app_is_a_type_error() -> None:
         CancelOnDisconnectMiddleware("app")  # type: ignore[arg-type]
 
 
-# -- 1. only http scopes, and not the excluded routes -------------------------------------------
-@pytest.mark.parametrize("scope_type", ["websocket", "lifespan"])
-async def test_non_http_scopes_pass_through_untouched(scope_type: str) -> None:
+# -- 1. http and websocket scopes, and not the excluded routes ----------------------------------
+PASSED_THROUGH = {
+    "lifespan": ("lifespan", {}),
+    "websocket, websockets=False": ("websocket", {"websockets": False}),
+    "websocket, excluded": ("websocket", {"exclude": ("/ws",)}),
+}
+
+
+@pytest.mark.parametrize(
+    ("scope_type", "options"), PASSED_THROUGH.values(), ids=list(PASSED_THROUGH)
+)
+async def test_scopes_passed_through_untouched(scope_type: str, options: dict[str, Any]) -> None:
     seen: list[tuple[Scope, Receive, Send]] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -82,8 +93,8 @@ async def test_non_http_scopes_pass_through_untouched(scope_type: str) -> None:
     async def send(message: Message) -> None:
         raise AssertionError("not called")
 
-    scope: Scope = {"type": scope_type}
-    await with_watchdog(CancelOnDisconnectMiddleware(app)(scope, receive, send))
+    scope: Scope = {"type": scope_type, "path": "/ws"}
+    await with_watchdog(CancelOnDisconnectMiddleware(app, **options)(scope, receive, send))
     assert seen == [(scope, receive, send)]
 
 
