@@ -9,6 +9,7 @@ from ._token import TokenUsage as TokenUsage
 from ._token import current_token as current_token
 from ._token import detach as detach
 from ._token import shield as shield
+from ._turn import turn as turn
 
 __version__ = "0.1.0"
 
@@ -22,4 +23,5 @@ __all__ = (
     "detach",
     "require_header",
     "shield",
+    "turn",
 )

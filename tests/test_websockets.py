@@ -1,0 +1,329 @@
+"""WebSocket sessions (`_session.py`, docs/contract.md lines 20-24): the session's token, one
+cancellation on `websocket.disconnect`, messages read ahead in order and within a bound, the
+disconnect replayed, stops by id and deadline closing the socket, and `turn()`. On asyncio and
+trio, against a scripted server (tests/servers/test_websockets.py has the real ones)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+
+from asgi_cancel import (
+    CancelOnDisconnectMiddleware,
+    CancelRegistry,
+    CancelToken,
+    current_token,
+    turn,
+)
+from asgi_cancel.types import ASGIApp, CancelledRequest, Message, Receive, Scope, Send
+
+from .helpers import WATCHDOG, QueueServer, call, until, with_watchdog
+
+pytestmark = pytest.mark.anyio
+
+GRACE = 0.05
+CONNECT: Message = {"type": "websocket.connect"}
+
+
+def ws_scope(headers: list[tuple[bytes, bytes]] | None = None) -> Scope:
+    return {"type": "websocket", "path": "/ws", "headers": headers or [], "subprotocols": []}
+
+
+def text(value: str) -> Message:
+    return {"type": "websocket.receive", "text": value}
+
+
+def gone(code: int = 1001, reason: str = "") -> Message:
+    return {"type": "websocket.disconnect", "code": code, "reason": reason}
+
+
+@contextlib.asynccontextmanager
+async def session(app: ASGIApp, scope: Scope, server: QueueServer) -> AsyncIterator[None]:
+    """`app` serving `server`'s connection while the block runs; it must end within the
+    watchdog once the block is over."""
+    with anyio.fail_after(WATCHDOG):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(call, app, scope, server.receive, server.send)
+            yield
+
+
+def sent_types(server: QueueServer) -> list[str]:
+    return [message["type"] for message in server.sent]
+
+
+async def accept(receive: Receive, send: Send) -> None:
+    assert (await receive())["type"] == "websocket.connect"
+    await send({"type": "websocket.accept"})
+
+
+# -- 20. the client leaves: the session's token, one cancellation --------------------------------
+async def test_a_client_that_leaves_stops_a_busy_session_once() -> None:
+    """An app busy generating (not in receive()) is cancelled once; its sends after the
+    disconnect never reach the server; the hook sees the close code."""
+    events: list[Any] = []
+    records: list[CancelledRequest] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        token = current_token()
+        try:
+            while True:
+                await send({"type": "websocket.send", "text": "token"})
+                await anyio.sleep(0.005)
+        except anyio.get_cancelled_exc_class():
+            events.append(("cancelled", token.reason))
+            await send({"type": "websocket.send", "text": "after"})  # dropped
+            raise
+
+    server = QueueServer(CONNECT)
+    middleware = CancelOnDisconnectMiddleware(app, on_cancelled=records.append)
+    async with session(middleware, ws_scope(), server):
+        await until(lambda: len(server.sent) >= 3)
+        server.put(gone(1001))
+    assert events == [("cancelled", "client disconnected")]
+    assert {"type": "websocket.send", "text": "after"} not in server.sent
+    assert sent_types(server)[0] == "websocket.accept"
+    assert len(records) == 1
+    assert records[0].close_code == 1001
+    assert records[0].response_started is True  # accepted
+
+
+async def test_a_disconnect_before_accept_stops_the_handshake() -> None:
+    """The app reads `websocket.connect`, then works before accepting (auth): the client's
+    leaving cancels it there."""
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        try:
+            await anyio.sleep(30)  # checks a token with an identity provider
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+        await send({"type": "websocket.accept"})  # pragma: no cover
+
+    server = QueueServer(CONNECT)
+    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+        await until(lambda: server.receive_calls >= 2)  # the watcher waits past the connect
+        server.put(gone(1006))
+    assert events == ["cancelled"]
+    assert server.sent == []
+
+
+# -- 21. messages: in order, none lost, within read_ahead ----------------------------------------
+async def test_messages_reach_the_app_in_order_and_the_read_ahead_is_bounded() -> None:
+    """The client sends 40 messages while the app sleeps: the middleware reads ahead only up
+    to `read_ahead` (the server's own backpressure applies past it), and the app then gets all
+    of them, in order, none twice."""
+    got: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        await anyio.sleep(0.05)
+        while len(got) < 40:
+            message = await receive()
+            got.append(message["text"])
+        await send({"type": "websocket.close", "code": 1000})
+
+    server = QueueServer(CONNECT, *(text(f"m{index:02}") for index in range(40)))
+    # Each message counts its payload and 100 bytes: 3 fit in 400 bytes, a 4th does not.
+    middleware = CancelOnDisconnectMiddleware(app, read_ahead=400)
+    async with session(middleware, ws_scope(), server):
+        await anyio.sleep(0.03)
+        assert server.receive_calls <= 1 + 5  # the connect, then a few read ahead: bounded
+    assert got == [f"m{index:02}" for index in range(40)]
+    assert sent_types(server) == ["websocket.accept", "websocket.close"]
+
+
+async def test_the_disconnect_is_replayed_to_every_caller_as_a_fresh_message() -> None:
+    seen: list[Message] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        async with anyio.create_task_group() as readers:
+            for _ in range(2):
+                readers.start_soon(lambda: _append(seen, receive))
+        seen[0]["code"] = 0  # an app that changes its message changes nothing for others
+        seen.append(await receive())
+
+    server = QueueServer(CONNECT)
+    middleware = CancelOnDisconnectMiddleware(app, grace=1.0)
+    async with session(middleware, ws_scope(), server):
+        await until(lambda: server.receive_calls >= 2)
+        server.put(gone(4001, "bye"))
+    assert [message["code"] for message in seen] == [0, 4001, 4001]
+    assert all(message["reason"] == "bye" for message in seen)
+    assert server.receive_calls == 2  # the server's receive() is never called again after it
+
+
+async def _append(seen: list[Message], receive: Receive) -> None:
+    seen.append(await receive())
+
+
+# -- 22. an app that listens itself --------------------------------------------------------------
+@pytest.mark.parametrize("reacts", [True, False], ids=["reacts", "ignores it"])
+async def test_an_app_in_receive_gets_the_disconnect_first(reacts: bool) -> None:
+    """A chat loop waits in receive(): it gets the disconnect and ends by itself, not
+    cancelled; one that ignores it is cancelled `grace` later."""
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        message = await receive()
+        events.append(message["type"])
+        if reacts:
+            return
+        try:
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+
+    server = QueueServer(CONNECT)
+    middleware = CancelOnDisconnectMiddleware(app, grace=GRACE)
+    async with session(middleware, ws_scope(), server):
+        await until(lambda: server.receive_calls >= 2)
+        server.put(gone())
+    expected = ["websocket.disconnect"] + ([] if reacts else ["cancelled"])
+    assert events == expected
+
+
+# -- 23. stopped by id, by a deadline; refused at the edge ---------------------------------------
+async def test_a_session_cancelled_by_id_is_closed_with_4499() -> None:
+    registry = CancelRegistry()
+    ids: list[str | None] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        ids.append(current_token().request_id)
+        await anyio.sleep(30)
+
+    server = QueueServer(CONNECT)
+    middleware = CancelOnDisconnectMiddleware(app, registry=registry)
+    scope = ws_scope([(b"x-request-id", b"session-1")])
+    async with session(middleware, scope, server):
+        await until(lambda: bool(ids))
+        assert registry.cancel("session-1")
+    assert ids == ["session-1"]
+    accepted, closed = server.sent
+    assert (b"x-request-id", b"session-1") in accepted["headers"]
+    assert closed == {"type": "websocket.close", "code": 4499, "reason": "cancelled by id"}
+
+
+async def test_a_session_past_its_deadline_is_closed_with_4504() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        await anyio.sleep(30)
+
+    server = QueueServer(CONNECT)
+    middleware = CancelOnDisconnectMiddleware(app, session_timeout=0.05, timeout=0.001)
+    await with_watchdog(middleware(ws_scope(), server.receive, server.send))
+    assert server.sent[-1] == {
+        "type": "websocket.close",
+        "code": 4504,
+        "reason": "deadline exceeded",
+    }
+
+
+@pytest.mark.parametrize("denial", [False, True], ids=["close", "denial response"])
+async def test_a_malformed_id_refuses_the_handshake(denial: bool) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        raise AssertionError("not called")  # pragma: no cover
+
+    server = QueueServer(CONNECT)
+    scope = ws_scope([(b"x-request-id", b"bad id\r\n")])
+    if denial:
+        scope["extensions"] = {"websocket.http.response": {}}
+    middleware = CancelOnDisconnectMiddleware(app, registry=CancelRegistry())
+    await with_watchdog(middleware(scope, server.receive, server.send))
+    if denial:
+        assert sent_types(server) == [
+            "websocket.http.response.start",
+            "websocket.http.response.body",
+        ]
+        assert server.sent[0]["status"] == 400
+    else:
+        assert [(m["type"], m["code"]) for m in server.sent] == [("websocket.close", 4400)]
+
+
+# -- 24. turns ------------------------------------------------------------------------------------
+async def test_a_turn_cancelled_alone_leaves_the_session_open() -> None:
+    """Realtime's `response.cancel`: the reader loop cancels the response in flight; the
+    response's task ends its turn (the block absorbs it) and says so; the session goes on."""
+    events: list[Any] = []
+    running: list[turn] = []
+
+    async def respond(send: Send) -> None:
+        session = current_token()
+        current = turn()
+        running.append(current)
+        with current as token:
+            assert current_token() is token
+            assert token is not session
+            try:
+                await anyio.sleep(30)  # the engine generates
+            except anyio.get_cancelled_exc_class():
+                events.append(("turn cancelled", token.reason, session.cancelled))
+                raise
+        events.append("after the turn")
+        await send({"type": "websocket.send", "text": "response.cancelled"})
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        async with anyio.create_task_group() as responses:
+            while True:
+                message = await receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                if message["text"] == "response.create":
+                    responses.start_soon(respond, send)
+                elif message["text"] == "response.cancel":
+                    running[-1].cancel("response.cancel")
+
+    server = QueueServer(CONNECT, text("response.create"))
+    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+        await until(lambda: bool(running))
+        server.put(text("response.cancel"))
+        await until(lambda: "after the turn" in events)
+        server.put(gone(1000))
+    assert events == [("turn cancelled", "response.cancel", False), "after the turn"]
+    assert {"type": "websocket.send", "text": "response.cancelled"} in server.sent
+
+
+async def test_a_closing_socket_cancels_the_turn_in_flight() -> None:
+    """A response running in a task of its own when the client leaves: its turn's token
+    fires with the session's reason, and its task is cancelled."""
+    events: list[Any] = []
+    tokens: list[CancelToken] = []
+
+    async def respond() -> None:
+        with turn() as token:
+            tokens.append(token)
+            try:
+                await anyio.sleep(30)
+            except anyio.get_cancelled_exc_class():
+                events.append(("turn cancelled", token.reason))
+                raise
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        async with anyio.create_task_group() as responses:
+            responses.start_soon(respond)
+            await anyio.sleep(30)
+
+    server = QueueServer(CONNECT)
+    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+        await until(lambda: bool(tokens))
+        server.put(gone(1001))
+    assert events == [("turn cancelled", "client disconnected")]
+    assert tokens[0].cancelled
+
+
+async def test_a_turn_outside_a_request_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="outside a request"):
+        with turn():
+            pass  # pragma: no cover
