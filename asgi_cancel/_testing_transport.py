@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import enum
 import math
-import sys
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
 import httpx
 
+from ._backend import library
 from ._validate import seconds
 from .types import AnyASGIApp, Message, Scope
 
@@ -32,27 +31,6 @@ class _State(enum.Enum):
     OPEN = "open"  # the client is reading
     COMPLETE = "complete"  # the app sent its final body message
     LEFT = "left"  # the client went away before that
-
-
-def _spawn(run: Callable[[], Awaitable[None]]) -> asyncio.Task[None] | None:
-    # The app outlives handle_async_request (it streams while the client reads), so it cannot
-    # run in a task group of the caller's: a detached task per request, awaited or cancelled
-    # by the response's aclose() within exit_timeout.
-    if "trio" in sys.modules:
-        import trio
-
-        try:
-            trio.lowlevel.current_task()
-        except RuntimeError:
-            pass
-        else:
-            trio.lowlevel.spawn_system_task(run, context=contextvars.copy_context())
-            return None
-
-    async def main() -> None:
-        await run()
-
-    return asyncio.get_running_loop().create_task(main())
 
 
 class _Exchange:
@@ -79,10 +57,17 @@ class _Exchange:
         self.finished = anyio.Event()
         self._app_scope = anyio.CancelScope()
         self._upload_scope = anyio.CancelScope()
-        self._tasks: list[asyncio.Task[None] | None] = []  # referenced until done
 
     def start(self, app: AnyASGIApp, scope: Scope) -> None:
-        self._tasks = [_spawn(self._upload), _spawn(lambda: self._run(app, scope))]
+        # The app outlives handle_async_request (it streams while the client reads), so it
+        # cannot run in a task group of the caller's, and anyio has no task outside one: it runs
+        # in tasks of the running loop's own (the package's backend seam), awaited or cancelled
+        # by the response's aclose() within exit_timeout. In a context of their own, as under a
+        # server, whichever the loop.
+        running = library()
+        assert running is not None  # an httpx call runs in an event loop
+        for work in (self._upload(), self._run(app, scope)):
+            contextvars.Context().run(running.spawn_detached, work)
 
     async def _run(self, app: AnyASGIApp, scope: Scope) -> None:
         try:
