@@ -107,6 +107,9 @@ def test_modules_that_need_no_extra_import_and_pull_no_optional_dependency(
         "assert 'asgi_cancel.vllm' not in sys.modules\n"
         "import asgi_cancel.types, asgi_cancel.vllm, asgi_cancel.transformers\n"
         "import asgi_cancel.llama_cpp\n"  # llama_cpp is needed at use only, too
+        # pytest loads the plugin wherever the package is installed: httpx and anyio are
+        # imported when a test asks for its fixture, not before.
+        "import asgi_cancel.pytest_plugin\n"
         f"print(sorted({{name.partition('.')[0] for name in sys.modules}} & set({OPTIONAL!r})))"
     )
     assert run_hidden(hidden, body) == "[]"
