@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import enum
-import math
-import sys
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import anyio
-import anyio.lowlevel
 import httpx
 
+from ._testing_exchange import Exchange, State
 from ._validate import seconds
-from .types import AnyASGIApp, Message, Scope
-
-# What the app may send ahead of the client's reads before `send()` waits: uvicorn's high-water
-# mark. A stream then runs with the client, and the client that leaves stops it within 64 KiB.
-HIGH_WATER = 65536
+from .types import AnyASGIApp, Scope
 
 
 class AppStillRunning(Exception):
@@ -28,184 +18,8 @@ class AppStillRunning(Exception):
     ended: it was cancelled, and the test is told (an app that ignores `http.disconnect`)."""
 
 
-class _State(enum.Enum):
-    OPEN = "open"  # the client is reading
-    COMPLETE = "complete"  # the app sent its final body message
-    LEFT = "left"  # the client went away before that
-
-
-def _spawn(run: Callable[[], Awaitable[None]]) -> asyncio.Task[None] | None:
-    # The app outlives handle_async_request (it streams while the client reads), so it cannot
-    # run in a task group of the caller's: a detached task per request, awaited or cancelled
-    # by the response's aclose() within exit_timeout.
-    if "trio" in sys.modules:
-        import trio
-
-        try:
-            trio.lowlevel.current_task()
-        except RuntimeError:
-            pass
-        else:
-            trio.lowlevel.spawn_system_task(run, context=contextvars.copy_context())
-            return None
-
-    async def main() -> None:
-        await run()
-
-    return asyncio.get_running_loop().create_task(main())
-
-
-class _Exchange:
-    """One request: the app's `receive`/`send` on one side, the client's reads on the other."""
-
-    def __init__(self, request: httpx.Request, after_disconnect: str) -> None:
-        assert isinstance(request.stream, httpx.AsyncByteStream)  # an AsyncClient's
-        self.request = request
-        self._request_body: httpx.AsyncByteStream = request.stream
-        self.after_disconnect = after_disconnect
-        self.state = _State.OPEN
-        self.status: int | None = None
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.app_error: BaseException | None = None
-        self.upload_error: Exception | None = None  # raised by the request body's iterator
-        self.closed = False  # by the client's side: finish() ran
-        self._uploaded: deque[bytes] = deque()  # request body read from the client, not received
-        self._upload_done = False
-        self._final_request_sent = False
-        self._disconnect_delivered = False
-        self._downloaded: deque[bytes] = deque()  # response body sent by the app, not yet read
-        self._buffered = 0
-        self._changed = anyio.Event()
-        self.finished = anyio.Event()
-        self._app_scope = anyio.CancelScope()
-        self._upload_scope = anyio.CancelScope()
-        self._tasks: list[asyncio.Task[None] | None] = []  # referenced until done
-
-    def start(self, app: AnyASGIApp, scope: Scope) -> None:
-        self._tasks = [_spawn(self._upload), _spawn(lambda: self._run(app, scope))]
-
-    async def _run(self, app: AnyASGIApp, scope: Scope) -> None:
-        try:
-            with self._app_scope:
-                await app(scope, self.receive, self.send)
-        except BaseException as exc:  # handed to the client's side
-            self.app_error = exc
-        finally:
-            self._upload_scope.cancel()
-            self.finished.set()
-            self._notify()
-
-    async def _upload(self) -> None:
-        # The client's side of the body, in its own task so that a receive() cancelled by the
-        # app (or interrupted by the disconnect) loses no chunk of an async-iterator body.
-        with self._upload_scope:
-            try:
-                async for chunk in self._request_body:
-                    if not chunk:
-                        continue
-                    self._uploaded.append(chunk)
-                    self._notify()
-                    while len(self._uploaded) > 1:  # one ahead: the last chunk ends the body
-                        await self._wait_changed()
-            except Exception as exc:  # the body's own error: to the app, a dropped connection
-                self.upload_error = exc
-                self.leave()
-                return
-            self._upload_done = True
-            self._notify()
-
-    # -- the server's callables -----------------------------------------------------------------
-    async def receive(self) -> Message:
-        while self.state is _State.OPEN:
-            if self._uploaded:
-                body = self._uploaded.popleft()
-                more_body = bool(self._uploaded) or not self._upload_done
-                self._final_request_sent = not more_body
-                self._notify()
-                return {"type": "http.request", "body": body, "more_body": more_body}
-            if self._upload_done and not self._final_request_sent:
-                self._final_request_sent = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            await self._wait_changed()
-        if self._disconnect_delivered and self.after_disconnect == "block":
-            await anyio.sleep_forever()
-        self._disconnect_delivered = True
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: Message) -> None:
-        await anyio.lowlevel.checkpoint()  # a loop of sends lets the client run
-        if self.state is _State.LEFT:
-            return  # dropped, as servers do
-        if self.state is _State.COMPLETE:
-            raise RuntimeError(f"{message['type']!r} sent after the response completed")
-        if message["type"] == "http.response.start":
-            if self.status is not None:
-                raise RuntimeError("'http.response.start' sent twice")
-            self.status = message["status"]
-            self.headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
-        elif message["type"] == "http.response.body":
-            if self.status is None:
-                raise RuntimeError("'http.response.body' sent before 'http.response.start'")
-            body = bytes(message.get("body", b""))
-            if body and self.request.method != "HEAD":
-                self._downloaded.append(body)
-                self._buffered += len(body)
-            if not message.get("more_body", False):
-                self.state = _State.COMPLETE
-        self._notify()
-        while self._buffered >= HIGH_WATER and self.state is _State.OPEN:
-            await self._wait_changed()
-
-    # -- the client's side ----------------------------------------------------------------------
-    async def wait_response_start(self, read_timeout: float | None) -> None:
-        await self._wait(
-            lambda: (
-                self.status is not None or self.finished.is_set() or self.upload_error is not None
-            ),
-            read_timeout,
-        )
-
-    async def next_chunk(self, read_timeout: float | None) -> bytes | None:
-        """The next body chunk; None at the end of the body."""
-        await self._wait(
-            lambda: (
-                bool(self._downloaded) or self.state is not _State.OPEN or self.finished.is_set()
-            ),
-            read_timeout,
-        )
-        if self._downloaded:
-            chunk = self._downloaded.popleft()
-            self._buffered -= len(chunk)
-            self._notify()
-            return chunk
-        return None
-
-    def leave(self) -> None:
-        """The client goes away: the app's next (or pending) `receive()` is `http.disconnect`."""
-        if self.state is _State.OPEN:
-            self.state = _State.LEFT
-            self._notify()
-
-    def cancel(self) -> None:
-        self._app_scope.cancel()
-
-    async def _wait(self, ready: Callable[[], bool], read_timeout: float | None) -> None:
-        with anyio.move_on_after(math.inf if read_timeout is None else read_timeout) as watchdog:
-            while not ready():
-                await self._wait_changed()
-        if watchdog.cancelled_caught:
-            raise httpx.ReadTimeout(f"nothing read for {read_timeout}s", request=self.request)
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def _wait_changed(self) -> None:
-        await self._changed.wait()
-
-
 class _ResponseStream(httpx.AsyncByteStream):
-    def __init__(self, transport: ASGITransport, exchange: _Exchange, timeout: float | None):
+    def __init__(self, transport: ASGITransport, exchange: Exchange, timeout: float | None):
         self._transport = transport
         self._exchange = exchange
         self._timeout = timeout
@@ -221,7 +35,7 @@ class _ResponseStream(httpx.AsyncByteStream):
             if chunk is None:
                 break
             yield chunk
-        if exchange.state is _State.COMPLETE:
+        if exchange.state is State.COMPLETE:
             return
         await self._transport.finish(exchange)  # the app ended before its final message
         if exchange.app_error is None:
@@ -289,7 +103,7 @@ class ASGITransport(httpx.AsyncBaseTransport):
         self.client = client
         self.exit_timeout = float(exit_timeout)
         self.after_disconnect = after_disconnect
-        self._open: set[_Exchange] = set()
+        self._open: set[Exchange] = set()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         scope: Scope = {  # what httpx.ASGITransport gives
@@ -308,7 +122,7 @@ class ASGITransport(httpx.AsyncBaseTransport):
         }
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         read_timeout: float | None = timeouts.get("read")
-        exchange = _Exchange(request, self.after_disconnect)
+        exchange = Exchange(request, self.after_disconnect)
         self._open.add(exchange)
         exchange.start(self.app, scope)
         try:
@@ -329,14 +143,14 @@ class ASGITransport(httpx.AsyncBaseTransport):
         stream = _ResponseStream(self, exchange, read_timeout)
         return httpx.Response(exchange.status, headers=exchange.headers, stream=stream)
 
-    async def finish(self, exchange: _Exchange, cause: BaseException | None = None) -> None:
+    async def finish(self, exchange: Exchange, cause: BaseException | None = None) -> None:
         """Close one exchange: the client leaves (if the response had not ended), the app is
         awaited within `exit_timeout`, and its exception, if any, raised."""
         if exchange.closed:
             return  # AppStillRunning or the app's exception was raised once, where it happened
         exchange.closed = True
         exchange.leave()
-        left = exchange.state is _State.LEFT
+        left = exchange.state is State.LEFT
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.exit_timeout):
                 await exchange.finished.wait()

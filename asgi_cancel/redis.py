@@ -27,13 +27,14 @@ import json
 import logging
 import os
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ._extras import missing_extra
 
 try:
-    import redis.asyncio as aioredis
-    from redis.exceptions import RedisError, ResponseError
+    from redis.exceptions import RedisError
+
+    from ._redis_listener import Listener, without_credentials
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
     raise missing_extra("redis", exc) from exc
 
@@ -47,9 +48,6 @@ logger = logging.getLogger("asgi_cancel")
 # A message is a small JSON object; anything longer is not ours and is dropped unread.
 MAX_MESSAGE = 1024
 MAX_REASON = 100
-MAX_BACKOFF = 5.0
-# The listener pings Redis this many times per health_timeout.
-PINGS_PER_TIMEOUT = 10
 _VERSION = 1
 
 
@@ -86,7 +84,7 @@ class RedisBroker:
             counts once Redis confirmed the subscriptions within it. The default, 10 s, is
             twice the 5 s after which a Redis busy with a long script answers BUSY
             (`busy-reply-threshold`): keep it above that, and a busy Redis is never taken as
-            away.
+            away. 6 s notices a freeze of 8 s (within 7.8 s), at 10 / 6 pings a second.
 
     Raises:
         ValueError: `url` is not a Redis URL, or a duration is not a positive number.
@@ -130,7 +128,7 @@ class RedisBroker:
         self._tried_event: asyncio.Event | None = None
 
     def __repr__(self) -> str:
-        return f"<RedisBroker {_without_credentials(self.url)} channel={self.channel!r}>"
+        return f"<RedisBroker {without_credentials(self.url)} channel={self.channel!r}>"
 
     # -- Broker ----------------------------------------------------------------------------------
     def bind(self, registry: CancelRegistry) -> None:
@@ -146,8 +144,16 @@ class RedisBroker:
             return
         self._loop = loop
         self._tried_event = asyncio.Event()
+        listener = Listener(
+            self.url,
+            (self.channel, self._reply_channel(self.node)),
+            connect_timeout=self.connect_timeout,
+            health_timeout=self.health_timeout,
+            deliver=self._received,
+            reachable=self._reachable,
+        )
         # An empty context: the listener must not keep the first request's context alive.
-        self._task = contextvars.Context().run(loop.create_task, self._listen())
+        self._task = contextvars.Context().run(loop.create_task, listener.run())
 
     async def cancel_elsewhere(self, request_id: str, reason: str) -> bool:
         loop = self._loop
@@ -176,8 +182,12 @@ class RedisBroker:
         except RuntimeError:  # the loop is closed
             pass
 
-    def _tried_done(self) -> None:
-        if not self._tried:
+    def _reachable(self, client: Any) -> None:
+        # The listener's word: connected (the client to publish with), or away (None).
+        if client is not None:
+            self._client = client
+        self.connected = client is not None
+        if not self._tried:  # a first connection attempt has ended (made or failed)
             self._tried = True
             if self._tried_event is not None:
                 self._tried_event.set()
@@ -243,89 +253,7 @@ class RedisBroker:
         except (asyncio.TimeoutError, RedisError, OSError):
             logger.debug("a broker message was not sent", exc_info=True)
 
-    # -- listening -------------------------------------------------------------------------------
-    async def _listen(self) -> None:
-        backoff = 0.1
-        away = False
-        while True:
-            client = aioredis.Redis.from_url(
-                self.url,
-                socket_connect_timeout=self.connect_timeout,
-                socket_timeout=self.health_timeout,
-            )
-            pubsub: Any = client.pubsub()
-            try:
-                # A frozen Redis (or a black-holed path) still completes the TCP handshake in
-                # the kernel: connected means Redis itself confirmed the subscriptions.
-                await asyncio.wait_for(self._subscribe(pubsub), self.health_timeout)
-                self._client = client
-                self.connected = True
-                self._tried_done()
-                if away:
-                    logger.info("the broker at %s is reachable again", self._safe_url)
-                away, backoff = False, 0.1
-                await self._serve(pubsub)
-            except Exception as exc:  # RedisError, OSError, a timeout; anything else in full
-                self.connected = False
-                if not isinstance(exc, (RedisError, OSError, asyncio.TimeoutError)):
-                    logger.exception("the broker's listener failed; restarting it")
-                if not away:
-                    away = True
-                    logger.warning(
-                        "the broker at %s is unreachable (%s); cancels by id reach this process "
-                        "only until it is back",
-                        self._safe_url,
-                        self._why(exc),
-                    )
-            finally:
-                self.connected = False
-                self._tried_done()
-                await _quietly(pubsub.aclose(), self.connect_timeout)
-                await _quietly(client.aclose(), self.connect_timeout)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF)
-
-    async def _subscribe(self, pubsub: Any) -> None:
-        await pubsub.subscribe(self.channel, self._reply_channel(self.node))
-        while True:
-            message = await pubsub.get_message(timeout=self.health_timeout / PINGS_PER_TIMEOUT)
-            if message is None:
-                continue
-            if message["type"] == "message":
-                await self._received(message.get("data"))
-            elif message["type"] == "subscribe" and message["data"] == 2:
-                return  # both channels confirmed
-
-    async def _serve(self, pubsub: Any) -> None:
-        """Deliver the messages; ping Redis every health_timeout / 10 seconds, and raise
-        TimeoutError once a ping is unanswered for health_timeout (nothing at all heard)."""
-        loop = asyncio.get_running_loop()
-        every = self.health_timeout / PINGS_PER_TIMEOUT
-        pinged_at = loop.time()  # the last ping sent (the subscription counts as one answered)
-        unanswered = False
-        while True:
-            try:
-                message = await pubsub.get_message(timeout=every)
-            except ResponseError:  # -BUSY during a long script, and the like: Redis is there
-                message = {"type": "error"}
-            now = loop.time()
-            if message is not None:
-                unanswered = False  # anything heard: Redis is there
-                if message["type"] == "message":
-                    await self._received(message.get("data"))
-            # Judged only after a read found nothing waiting: a loop blocked by the app longer
-            # than health_timeout finds the answer in the socket, never a false outage.
-            elif unanswered and now - pinged_at > self.health_timeout:
-                raise TimeoutError(f"no answer in {self.health_timeout:g} s")
-            if now - pinged_at >= every and not unanswered:
-                await pubsub.ping()
-                pinged_at, unanswered = loop.time(), True
-
-    def _why(self, exc: Exception) -> str:
-        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-            return f"no answer in {self.health_timeout:g} s"
-        return type(exc).__name__
-
+    # -- receiving -------------------------------------------------------------------------------
     async def _received(self, data: object) -> None:
         if not isinstance(data, bytes) or len(data) > MAX_MESSAGE:
             return
@@ -360,10 +288,6 @@ class RedisBroker:
     def _reply_channel(self, node: str) -> str:
         return f"{self.channel}:reply:{node}"
 
-    @property
-    def _safe_url(self) -> str:
-        return _without_credentials(self.url)
-
 
 class _Answers:
     """The other processes' answers to one cancel: done at the first 'held', or once all the
@@ -389,17 +313,3 @@ class _Answers:
             return
         if self.any_held or (self.expected is not None and self.count >= self.expected):
             self.held.set_result(self.any_held)
-
-
-def _without_credentials(url: str) -> str:
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-async def _quietly(closing: Any, timeout: float) -> None:
-    try:
-        await asyncio.wait_for(closing, timeout)
-    except (RedisError, OSError, asyncio.TimeoutError):
-        pass

@@ -8,11 +8,15 @@ import none of them either.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from importlib.metadata import metadata
+from pathlib import Path
 
 import pytest
+
+import asgi_cancel
 
 # Every third-party package an optional module or the trio driver may import.
 OPTIONAL = (
@@ -103,6 +107,27 @@ def test_modules_that_need_no_extra_import_and_pull_no_optional_dependency(
         "assert 'asgi_cancel.vllm' not in sys.modules\n"
         "import asgi_cancel.types, asgi_cancel.vllm, asgi_cancel.transformers\n"
         "import asgi_cancel.llama_cpp\n"  # llama_cpp is needed at use only, too
+        # pytest loads the plugin wherever the package is installed: httpx and anyio are
+        # imported when a test asks for its fixture, not before.
+        "import asgi_cancel.pytest_plugin\n"
         f"print(sorted({{name.partition('.')[0] for name in sys.modules}} & set({OPTIONAL!r})))"
     )
     assert run_hidden(hidden, body) == "[]"
+
+
+def test_only_the_trio_backend_imports_trio() -> None:
+    """Trio code lives in its backend (`_trio.py`); other modules reach the running loop
+    through `_backend` or anyio."""
+    package = Path(asgi_cancel.__file__).parent
+    importers = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            if any(name.partition(".")[0] == "trio" for name in names):
+                importers.add(path.name)
+    assert importers == {"_trio.py"}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .test_pytest_plugin import plugin_args
+
 pytest_plugins = ("pytester",)
 
 PAGE = Path(__file__).parent.parent / "docs" / "testing.md"
@@ -22,15 +24,24 @@ EXPECTED = {
     "test_deadline.py": 2,
     "test_communicator.py": 1,  # asyncio only
     "test_stream.py": 2,
+    "conftest.py": 0,  # the fixture of the app, for test_fixture*.py
+    "test_fixture.py": 2,
 }
+# Run by pytest-asyncio, in a run of its own (the one above leaves pytest-asyncio out).
+UNDER_PYTEST_ASYNCIO = {"test_fixture_asyncio.py": 1}
 
 
 def recipes() -> dict[str, str]:
     return {match["name"]: match["code"] + "\n" for match in SAVED_AS.finditer(PAGE.read_text())}
 
 
+def passed(result: pytest.RunResult) -> dict[str, int]:
+    names = re.findall(r"^(\S+?\.py)::\S+ PASSED", result.stdout.str(), re.MULTILINE)
+    return {name: names.count(name) for name in set(names)}
+
+
 def test_the_page_has_its_recipes() -> None:
-    assert set(recipes()) == set(EXPECTED)
+    assert set(recipes()) == set(EXPECTED) | set(UNDER_PYTEST_ASYNCIO)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -38,7 +49,31 @@ def test_the_page_has_its_recipes() -> None:
 def test_the_recipes_pass_as_written(pytester: pytest.Pytester) -> None:
     for name, code in recipes().items():
         (pytester.path / name).write_text(code)
-    result = pytester.runpytest_inprocess("-v", "-p", "no:cacheprovider", "--timeout=60")
-    passed = re.findall(r"^(\S+?\.py)::\S+ PASSED", result.stdout.str(), re.MULTILINE)
+    ignored = [f"--ignore={name}" for name in UNDER_PYTEST_ASYNCIO]
+    result = pytester.runpytest_inprocess(
+        *plugin_args(), "-p", "no:asyncio", *ignored, "-v", "-p", "no:cacheprovider", "--timeout=60"
+    )
     assert result.ret == 0, result.stdout.str()
-    assert {name: passed.count(name) for name in EXPECTED} == EXPECTED, result.stdout.str()
+    assert passed(result) == {name: n for name, n in EXPECTED.items() if n}, result.stdout.str()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_the_pytest_asyncio_recipes_pass_as_written(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("pytest_asyncio")
+    for name, code in recipes().items():
+        (pytester.path / name).write_text(code)
+    result = pytester.runpytest_inprocess(
+        *plugin_args(),
+        "-p",
+        "asyncio",
+        "-o",
+        "asyncio_default_fixture_loop_scope=function",
+        *UNDER_PYTEST_ASYNCIO,
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=60",
+    )
+    assert result.ret == 0, result.stdout.str()
+    assert passed(result) == UNDER_PYTEST_ASYNCIO, result.stdout.str()
