@@ -173,7 +173,7 @@ async def test_a_task_cancelling_its_own_work_is_seen_reacting(anyio_backend: st
     await asyncio.sleep(0)
     task.cancel()
     await asyncio.sleep(0.01)
-    assert reacting(task, Source()) is True  # type: ignore[arg-type]
+    assert reacting(task, Source()) is True
     with pytest.raises(asyncio.CancelledError):
         await task
 
