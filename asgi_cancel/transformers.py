@@ -22,12 +22,24 @@ from collections.abc import Callable, Iterator
 from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
+from ._threads import watch_unasked
 from ._token import CancelToken, find_token
 from ._validate import seconds
 
-__all__ = ["CancelCriteria", "Generation", "TextQueueStreamer", "generate_in_thread"]
+__all__ = [
+    "STILL_RUNNING_AFTER",
+    "CancelCriteria",
+    "Generation",
+    "TextQueueStreamer",
+    "generate_in_thread",
+]
 
 logger = logging.getLogger("asgi_cancel")
+
+#: Seconds after a request's cancellation at which a generation that has never called its
+#: `CancelCriteria` (not passed to `generate()`, or its thread blocked or still waiting for the
+#: model) is logged at WARNING. Read when the criteria is made.
+STILL_RUNNING_AFTER = 2.0
 
 _ResultT = TypeVar("_ResultT")
 
@@ -54,6 +66,11 @@ class CancelCriteria:
     request (no token), it warns (`RuntimeWarning`) and never stops anything: the same code
     still runs in a script.
 
+    One that `generate()` never calls (not passed to it, or its thread blocked or still waiting
+    for the model) cannot stop the generation: `STILL_RUNNING_AFTER` seconds after the
+    request's cancellation, a WARNING says so (a timer thread: nothing waits for it). One that
+    was called is never reported: its generation stops at its next token, or had ended.
+
     Args:
         token: the request's token; by default `current_token()` of the context it is made in.
     """
@@ -79,6 +96,13 @@ class CancelCriteria:
             )
         else:
             self.token.add_usage()  # the record exists before the thread counts into it
+            watch_unasked(
+                self.token,
+                lambda: self._length is not None,
+                after=STILL_RUNNING_AFTER,
+                what="a transformers generate()",
+                criterion="its CancelCriteria",
+            )
 
     def stop(self) -> None:
         """Stop the generation at its next token, whatever the request does."""
