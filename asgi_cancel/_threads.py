@@ -1,5 +1,6 @@
-"""What the thread adapters (`asgi_cancel.transformers`, `asgi_cancel.llama_cpp`) share: the
-delayed report of a generation that never asked them.
+"""What the thread adapters (`asgi_cancel.transformers`, `asgi_cancel.llama_cpp`) share: how
+they take the request's token, how they say they were made outside a request, and the delayed
+report of a generation that never asked them.
 
 A thread cannot be interrupted: a generation stops only by asking its criterion, which both
 engines do after every token. One that has asked it once is wired to the token and stops at its
@@ -13,15 +14,54 @@ WARNING says so. A generation that ended before the cancellation is never report
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from time import monotonic
 
-from ._token import CancelToken
+from ._token import CancelToken, find_token
+from ._validate import describe
 
-__all__ = ["watch_unasked"]
+__all__ = ["request_token", "watch_unasked"]
 
 logger = logging.getLogger("asgi_cancel")
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _outside_the_package() -> int:
+    """The `stacklevel`, for `warnings.warn` in the caller, of the first frame outside
+    asgi_cancel: a warning points at the user's line however deep in the adapter it is made
+    (`skip_file_prefixes` does this from Python 3.12 on)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and Path(frame.f_code.co_filename).resolve().parent == _PACKAGE:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def request_token(token: CancelToken | None, what: str, hint: str) -> CancelToken | None:
+    """`token`, or the current request's; None (with a `RuntimeWarning` at the caller's line)
+    outside a request: the adapter then never stops anything, and the same code runs in a
+    script.
+
+    Raises:
+        TypeError: `token` is neither a `CancelToken` nor None.
+    """
+    if token is not None:
+        if not isinstance(token, CancelToken):
+            raise TypeError(f"token must be a CancelToken or None, got {describe(token)}")
+        return token
+    found = find_token()
+    if found is None:
+        warnings.warn(
+            f"{what} was made outside a request handled by CancelOnDisconnectMiddleware: it "
+            f"never stops the generation ({hint})",
+            RuntimeWarning,
+            stacklevel=_outside_the_package(),
+        )
+    return found
 
 
 def watch_unasked(

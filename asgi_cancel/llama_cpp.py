@@ -23,12 +23,12 @@ Nothing here imports llama_cpp until a list is made (`stopping_criteria()`,
 from __future__ import annotations
 
 import functools
-import logging
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import CancelOnDisconnectMiddleware, CancelToken, current_token
-from ._threads import watch_unasked
+from . import CancelOnDisconnectMiddleware, CancelToken
+from ._threads import request_token, watch_unasked
 
 if TYPE_CHECKING:
     from llama_cpp import LogitsProcessorList, StoppingCriteriaList
@@ -42,8 +42,6 @@ __all__ = [
     "stopping_criteria",
     "stream",
 ]
-
-logger = logging.getLogger("asgi_cancel")
 
 #: Seconds after a request's cancellation at which a generation that has never asked its
 #: criterion (not passed to the call, or its thread blocked or still waiting for the model) is
@@ -61,20 +59,8 @@ def _missing(error: ImportError, install: str = "'asgi-cancel[llama-cpp]'") -> I
 
 
 def _request_token(token: CancelToken | None, what: str) -> CancelToken | None:
-    if token is not None:
-        if not isinstance(token, CancelToken):
-            raise TypeError(f"token must be a CancelToken, got {token!r}")
-        return token
-    try:
-        return current_token()
-    except RuntimeError:
-        logger.warning(
-            "%s was made outside a request handled by "
-            "CancelOnDisconnectMiddleware: it never stops the generation (in a "
-            "threading.Thread, take current_token() in the request and pass token=)",
-            what,
-        )
-        return None
+    hint = "in a threading.Thread or run_in_executor, take current_token() in the request and "
+    return request_token(token, what, hint + "pass token=")
 
 
 class CancelCriterion:
@@ -96,15 +82,15 @@ class CancelCriterion:
     request's cancellation, a WARNING says so (a timer thread: nothing waits for it). One that
     was asked is never reported: its generation stops at its next token, or had ended.
 
-    Without a token (made outside a request and no `token=`), it logs a warning when it is
-    made and never stops anything; it still counts (`generated`).
+    Without a token (made outside a request and no `token=`), it warns (`RuntimeWarning`, at
+    the line that made it) and never stops anything; it still counts (`generated`).
 
     Args:
         token: the request's token; by default the current one (`current_token()`), which
             only code in the request's context sees.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `token` is neither a `CancelToken` nor None.
     """
 
     __slots__ = ("_closed", "_last_length", "generated", "prompt_tokens", "stopped", "token")
@@ -186,14 +172,18 @@ class CancelLogitsProcessor(CancelCriterion):
         token: the request's token; by default the current one.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `eos_token` is not an integer, or `token` neither a `CancelToken` nor None.
+        ValueError: `eos_token` is negative.
     """
 
     __slots__ = ("eos_token",)
 
     def __init__(self, eos_token: int, token: CancelToken | None = None) -> None:
+        eos = operator.index(eos_token)  # TypeError for what is not an integer
+        if eos < 0:
+            raise ValueError(f"eos_token must be a token id >= 0, got {eos_token!r}")
         super().__init__(token)
-        self.eos_token = eos_token
+        self.eos_token = eos
 
     def __call__(self, input_ids: Sized, scores: Any) -> Any:
         if self._step(len(input_ids)):
@@ -220,7 +210,7 @@ def stopping_criteria(
         A `llama_cpp.StoppingCriteriaList`; its last item is the `CancelCriterion`.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `token` is neither a `CancelToken` nor None.
         ImportError: llama-cpp-python is not installed.
     """
     try:
@@ -250,7 +240,7 @@ def logits_processor(
         A `llama_cpp.LogitsProcessorList`; its last item is the `CancelLogitsProcessor`.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `token` is neither a `CancelToken` nor None.
         ImportError: llama-cpp-python is not installed.
     """
     try:
@@ -290,7 +280,7 @@ def stream(
             first token is not reported as one that never asked it.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `token` is neither a `CancelToken` nor None.
     """
     return _Stream(iter(chunks), _request_token(token, "stream()"), _cancel_criterion(criteria))
 

@@ -174,12 +174,17 @@ def test_finished_generation_is_never_marked_stopped() -> None:
     assert (token.usage.completion_tokens, token.usage.after_cancel) == (10, 0)
 
 
-def test_criteria_outside_a_request_warns_and_never_stops() -> None:
-    with pytest.warns(RuntimeWarning, match="outside a request"):
+def test_criteria_outside_a_request_warns_at_the_callers_line_and_never_stops() -> None:
+    with pytest.warns(RuntimeWarning, match="outside a request") as warned:
         criteria = CancelCriteria()
     model = FakeModel(step=0)
     assert model.generate(max_new_tokens=50, stopping_criteria=[criteria]) == 50
     assert not criteria.stopped
+    with pytest.warns(RuntimeWarning, match="outside a request") as warned_too:
+        generation = generate_in_thread(model.generate, max_new_tokens=5)
+    assert generation.result(WATCHDOG) == 55
+    # This file's lines, not generate_in_thread's: the warning shows where the fix goes.
+    assert [w.filename for w in [*warned, *warned_too]] == [__file__, __file__]
 
 
 def test_criteria_made_in_a_plain_thread_has_no_token() -> None:
@@ -210,9 +215,11 @@ def test_criteria_made_in_a_plain_thread_has_no_token() -> None:
     assert inside.token is not None
 
 
-def test_criteria_rejects_what_is_not_a_token() -> None:
-    with pytest.raises(ValueError, match="token must be a CancelToken"):
+def test_a_token_of_the_wrong_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"token must be a CancelToken or None, got 'token' \(str"):
         CancelCriteria("token")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="token must be a CancelToken"):
+        generate_in_thread(FakeModel().generate, token=object())  # type: ignore[arg-type]
 
 
 UNASKED = "a transformers generate() has not asked its CancelCriteria"
