@@ -218,6 +218,7 @@ def measure(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
 APP_CASES = [
     ("completion", False, "to_thread"),
     ("completion", False, "thread"),
+    ("completion", False, "executor"),
     ("completion", False, "sync"),
     ("completion", True, "to_thread"),
     ("completion", True, "thread"),
@@ -331,6 +332,53 @@ def test_a_deadline_stops_the_generation_too(servers: ServerPool, mode: str) -> 
     if mode == "middleware":
         assert len(generation["evals"]) == MAX_TOKENS
     else:
+        assert len(generation["evals"]) < MAX_TOKENS // 2
+
+
+@pytest.mark.parametrize("mode", ["middleware", "adapter"], ids=["control", "adapter"])
+def test_a_cancel_by_id_stops_the_generation_too(servers: ServerPool, mode: str) -> None:
+    # The client stays; an operator cancels its request by id: the same token fires.
+    server = servers.get("app", mode)
+    before = len(probe(server)["generations"])
+    request_id = f"llama-{mode}-{time.monotonic_ns()}"
+    data = json.dumps(completion_body("completion", MAX_TOKENS, False, "to_thread")).encode()
+    headers = (
+        ("Content-Type", "application/json"),
+        ("Content-Length", str(len(data))),
+        ("X-Request-Id", request_id),
+    )
+    with connect(server.port, timeout=30.0) as sock:
+        send_request(sock, "POST", "/v1/completions", headers=headers, body=data)
+        wait_for(
+            server,
+            "the generation to start",
+            lambda s: (
+                len(s["generations"]) > before
+                and len(s["generations"][before]["evals"]) >= LEAVE_AFTER
+            ),
+        )
+        cancelled_at = time.monotonic()
+        answer = fetch_json(server, f"/v1/requests/{request_id}/cancel", {})
+        assert answer == {"id": request_id, "cancelled": True}
+        assert read_response(sock).status == 499  # still connected: told, not cut
+    generation = settled(server, before)
+    after = [t for t in generation["evals"] if t > cancelled_at]
+    RESULTS.append(
+        {
+            "app": "app",
+            "mode": mode,
+            "kind": "cancel-by-id",
+            "stream": False,
+            "thread": "to_thread",
+            "generated": len(generation["evals"]),
+            "after_close": len(after),
+            "stop_ms": round(max(0.0, generation["evals"][-1] - cancelled_at) * 1000, 1),
+        }
+    )
+    if mode == "middleware":
+        assert len(generation["evals"]) == MAX_TOKENS  # cancelled, and the thread ran on
+    else:
+        assert len(after) <= AFTER_CLOSE_BOUND
         assert len(generation["evals"]) < MAX_TOKENS // 2
 
 
