@@ -498,6 +498,22 @@ def fetch_json(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any
     return result
 
 
+THREADS = {"to_thread": "`asyncio.to_thread`", "thread": "`threading.Thread`", "": ""}
+THREADS |= {"executor": "`run_in_executor`", "sync": "FastAPI `def` endpoint"}
+
+
+def path_label(row: dict[str, Any]) -> str:
+    """What docs/threads.md calls a row (benchmarks/threads.py renders the JSON there)."""
+    where = "your app" if row["app"] == "app" else "`llama_cpp.server`"
+    where += f", {THREADS[row['thread']]}" if row["thread"] else ""
+    if row["kind"] == "queued":
+        return f"{where}: the next request's time to first chunk (ms)"
+    if row["kind"] == "cancel-by-id":
+        return f"{where}: a cancel by id, whole"
+    call = "create_chat_completion" if row["kind"] == "chat" else "create_completion"
+    return f"{where}: `{call}`, {'streaming' if row['stream'] else 'whole'}"
+
+
 def print_results() -> None:
     lines = [
         "",
@@ -514,4 +530,5 @@ def print_results() -> None:
     print("\n".join(lines))  # noqa: T201 - the measurements, with -s or -rA
     out = os.environ.get("ASGI_CANCEL_LLAMA_RESULTS")
     if out:
-        Path(out).write_text(json.dumps(RESULTS, indent=1))
+        rows = [{"path": path_label(row), **row} for row in RESULTS]
+        Path(out).write_text(json.dumps(rows, indent=1))
