@@ -105,7 +105,7 @@ took "model"
 
 step "tests"
 tests=(tests/vllm tests/test_vllm_adapter.py)
-# transformers' generate() in worker threads (torch and transformers come with vLLM), ~15 s;
+# transformers' generate() in worker threads (torch and transformers come with vLLM), ~25 s;
 # `transformers serve` with the recipe of docs/threads.md, with and without continuous batching
 # (accelerate, installed above), 4 server starts, ~10 s.
 tests+=(tests/threads/test_transformers.py tests/threads/test_transformers_serve.py)

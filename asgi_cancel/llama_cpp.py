@@ -23,13 +23,12 @@ Nothing here imports llama_cpp until a list is made (`stopping_criteria()`,
 from __future__ import annotations
 
 import functools
-import logging
-import threading
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sized
-from time import monotonic
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import CancelOnDisconnectMiddleware, CancelToken, current_token
+from . import CancelOnDisconnectMiddleware, CancelToken
+from ._threads import request_token, watch_unasked
 
 if TYPE_CHECKING:
     from llama_cpp import LogitsProcessorList, StoppingCriteriaList
@@ -44,10 +43,9 @@ __all__ = [
     "stream",
 ]
 
-logger = logging.getLogger("asgi_cancel")
-
-#: Seconds after a request's cancellation at which a generation that has not stopped (its
-#: thread does not consult the criterion, or never started) is logged at WARNING.
+#: Seconds after a request's cancellation at which a generation that has never asked its
+#: criterion (not passed to the call, or its thread blocked or still waiting for the model) is
+#: logged at WARNING. Read when the criterion is made.
 STILL_RUNNING_AFTER = 2.0
 
 _ChunkT = TypeVar("_ChunkT")
@@ -61,20 +59,8 @@ def _missing(error: ImportError, install: str = "'asgi-cancel[llama-cpp]'") -> I
 
 
 def _request_token(token: CancelToken | None, what: str) -> CancelToken | None:
-    if token is not None:
-        if not isinstance(token, CancelToken):
-            raise TypeError(f"token must be a CancelToken, got {token!r}")
-        return token
-    try:
-        return current_token()
-    except RuntimeError:
-        logger.warning(
-            "%s was made outside a request handled by "
-            "CancelOnDisconnectMiddleware: it never stops the generation (in a "
-            "threading.Thread, take current_token() in the request and pass token=)",
-            what,
-        )
-        return None
+    hint = "in a threading.Thread or run_in_executor, take current_token() in the request and "
+    return request_token(token, what, hint + "pass token=")
 
 
 class CancelCriterion:
@@ -91,26 +77,23 @@ class CancelCriterion:
     that closing call gets the criterion's last answer, not a new one. One criterion per
     generation: make a new one for each `create_completion` call.
 
-    Without a token (made outside a request and no `token=`), it logs a warning when it is
-    made and never stops anything; it still counts (`generated`).
+    One that llama.cpp never asks (not passed to the call, or its thread blocked or still
+    waiting for the model) cannot stop its generation: `STILL_RUNNING_AFTER` seconds after the
+    request's cancellation, a WARNING says so (a timer thread: nothing waits for it). One that
+    was asked is never reported: its generation stops at its next token, or had ended.
+
+    Without a token (made outside a request and no `token=`), it warns (`RuntimeWarning`, at
+    the line that made it) and never stops anything; it still counts (`generated`).
 
     Args:
         token: the request's token; by default the current one (`current_token()`), which
             only code in the request's context sees.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `token` is neither a `CancelToken` nor None.
     """
 
-    __slots__ = (
-        "_closed",
-        "_last_length",
-        "_watch",
-        "generated",
-        "prompt_tokens",
-        "stopped",
-        "token",
-    )
+    __slots__ = ("_closed", "_last_length", "generated", "prompt_tokens", "stopped", "token")
 
     def __init__(self, token: CancelToken | None = None) -> None:
         self.token = _request_token(token, "CancelCriterion()")
@@ -122,12 +105,16 @@ class CancelCriterion:
         self.stopped = False
         self._last_length: int | None = None
         self._closed = False
-        self._watch: _Watch | None = None
         if self.token is not None:
             # Made here, in the request's thread: counts from the worker land in one record.
             self.token.add_usage()
-            self._watch = _Watch(self)
-            self.token.on_cancel(self._watch.start)
+            watch_unasked(
+                self.token,
+                self._asked,
+                after=STILL_RUNNING_AFTER,
+                what="a llama.cpp generation",
+                criterion="its stopping criteria or logits processor",
+            )
 
     def __call__(self, input_ids: Sized, logits: object) -> bool:
         length = len(input_ids)
@@ -155,18 +142,20 @@ class CancelCriterion:
             self.stopped = True
         return self.stopped
 
-    @property
-    def running(self) -> bool:
-        """Whether a generation was asked about and has not ended (neither stopped nor closed)."""
-        return not (self._closed or self.stopped)
+    def _asked(self) -> bool:
+        # Whether the generation ever reached the criterion (or was closed before it could):
+        # llama.cpp asks at every token, so from then on it stops at its next one. Whether it
+        # ended is not known in general: a logits processor gets no closing call, and a stream
+        # closed by its caller none either.
+        return self.generated > 0 or self._closed
 
     def close(self) -> None:
         """Mark the generation over without llama's closing call (a stream closed early)."""
         self._closed = True
 
     def __repr__(self) -> str:
-        state = "stopped" if self.stopped else "closed" if self._closed else "running"
-        return f"<CancelCriterion {state} generated={self.generated}>"
+        state = "stopped" if self.stopped else "closed" if self._closed else "made"
+        return f"<{type(self).__name__} {state} generated={self.generated}>"
 
 
 class CancelLogitsProcessor(CancelCriterion):
@@ -183,57 +172,24 @@ class CancelLogitsProcessor(CancelCriterion):
         token: the request's token; by default the current one.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `eos_token` is not an integer, or `token` neither a `CancelToken` nor None.
+        ValueError: `eos_token` is negative.
     """
 
     __slots__ = ("eos_token",)
 
     def __init__(self, eos_token: int, token: CancelToken | None = None) -> None:
+        eos = operator.index(eos_token)  # TypeError for what is not an integer
+        if eos < 0:
+            raise ValueError(f"eos_token must be a token id >= 0, got {eos_token!r}")
         super().__init__(token)
-        self.eos_token = eos_token
+        self.eos_token = eos
 
     def __call__(self, input_ids: Sized, scores: Any) -> Any:
         if self._step(len(input_ids)):
             scores.fill(float("-inf"))
             scores[self.eos_token] = 0.0
         return scores
-
-
-class _Watch:
-    """At the cancellation, a timer that reports a generation still running after
-    `STILL_RUNNING_AFTER` seconds; a timer thread, so that it neither waits in the request
-    nor needs the event loop (asyncio or trio) to run it."""
-
-    __slots__ = ("cancelled_at", "criterion", "generated_at_cancel")
-
-    def __init__(self, criterion: CancelCriterion) -> None:
-        self.criterion = criterion
-        self.cancelled_at = 0.0
-        self.generated_at_cancel = 0
-
-    def start(self) -> None:
-        token = self.criterion.token
-        if token is None or not token.should_stop or not self.criterion.running:
-            return
-        self.cancelled_at = monotonic()
-        self.generated_at_cancel = self.criterion.generated
-        timer = threading.Timer(STILL_RUNNING_AFTER, self.check)
-        timer.daemon = True
-        timer.start()
-
-    def check(self) -> None:
-        criterion = self.criterion
-        if not criterion.running:
-            return
-        logger.warning(
-            "a llama.cpp generation is still running %.1fs after its request was "
-            "cancelled, and has not asked its stopping criteria since (%d tokens generated "
-            "before the cancel, none since): is the criterion passed to the call, and is the "
-            "thread that runs it blocked or still waiting for the model?",
-            monotonic() - self.cancelled_at,
-            self.generated_at_cancel,
-            extra={"asgi_cancel": {"generated": self.generated_at_cancel}},
-        )
 
 
 def stopping_criteria(
@@ -254,7 +210,7 @@ def stopping_criteria(
         A `llama_cpp.StoppingCriteriaList`; its last item is the `CancelCriterion`.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `token` is neither a `CancelToken` nor None.
         ImportError: llama-cpp-python is not installed.
     """
     try:
@@ -284,7 +240,7 @@ def logits_processor(
         A `llama_cpp.LogitsProcessorList`; its last item is the `CancelLogitsProcessor`.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `token` is neither a `CancelToken` nor None.
         ImportError: llama-cpp-python is not installed.
     """
     try:
@@ -320,11 +276,11 @@ def stream(
         chunks: what `create_completion(..., stream=True)` returned.
         token: the request's token; by default the current one.
         criteria: the list from `stopping_criteria()` given to the same call: its criterion
-            is told when the stream ends early, so that a generation closed here is not
-            reported as still running.
+            is told when the stream ends early, so that a generation closed here before its
+            first token is not reported as one that never asked it.
 
     Raises:
-        TypeError: `token` is not a `CancelToken`.
+        TypeError: `token` is neither a `CancelToken` nor None.
     """
     return _Stream(iter(chunks), _request_token(token, "stream()"), _cancel_criterion(criteria))
 

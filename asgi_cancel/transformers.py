@@ -17,17 +17,28 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._token import CancelToken, find_token
+from ._threads import request_token, watch_unasked
+from ._token import CancelToken
 from ._validate import seconds
 
-__all__ = ["CancelCriteria", "Generation", "TextQueueStreamer", "generate_in_thread"]
+__all__ = [
+    "STILL_RUNNING_AFTER",
+    "CancelCriteria",
+    "Generation",
+    "TextQueueStreamer",
+    "generate_in_thread",
+]
 
 logger = logging.getLogger("asgi_cancel")
+
+#: Seconds after a request's cancellation at which a generation that has never called its
+#: `CancelCriteria` (not passed to `generate()`, or its thread blocked or still waiting for the
+#: model) is logged at WARNING. Read when the criteria is made.
+STILL_RUNNING_AFTER = 2.0
 
 _ResultT = TypeVar("_ResultT")
 
@@ -51,17 +62,24 @@ class CancelCriteria:
     the prompt is the decoder's start.
 
     Make one per `generate()` call (it counts from that call's first token). Made outside a
-    request (no token), it warns (`RuntimeWarning`) and never stops anything: the same code
-    still runs in a script.
+    request (no token), it warns (`RuntimeWarning`, at the line that made it) and never stops
+    anything: the same code still runs in a script.
+
+    One that `generate()` never calls (not passed to it, or its thread blocked or still waiting
+    for the model) cannot stop the generation: `STILL_RUNNING_AFTER` seconds after the
+    request's cancellation, a WARNING says so (a timer thread: nothing waits for it). One that
+    was called is never reported: its generation stops at its next token, or had ended.
 
     Args:
         token: the request's token; by default `current_token()` of the context it is made in.
+
+    Raises:
+        TypeError: `token` is neither a `CancelToken` nor None.
     """
 
     def __init__(self, token: CancelToken | None = None) -> None:
-        if token is not None and not isinstance(token, CancelToken):
-            raise ValueError(f"token must be a CancelToken or None, got {token!r}")
-        self.token = token if token is not None else find_token()
+        hint = "in a threading.Thread or run_in_executor? make it in the endpoint and hand it over"
+        self.token = request_token(token, "CancelCriteria()", hint)
         #: Whether this criterion stopped a generation (the request should stop). A generation
         #: that ended by itself (`max_new_tokens`, EOS) before that is never marked.
         self.stopped = False
@@ -69,16 +87,15 @@ class CancelCriteria:
         self.stopped_at: float | None = None
         self._asked_to_stop = False
         self._length: int | None = None  # positions seen at the previous call
-        if self.token is None:
-            warnings.warn(
-                "CancelCriteria() was made outside a request handled by "
-                "CancelOnDisconnectMiddleware (in a threading.Thread or run_in_executor? make it "
-                "in the endpoint and hand it to the thread): it never stops the generation",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        else:
+        if self.token is not None:
             self.token.add_usage()  # the record exists before the thread counts into it
+            watch_unasked(
+                self.token,
+                lambda: self._length is not None,
+                after=STILL_RUNNING_AFTER,
+                what="a transformers generate()",
+                criterion="its CancelCriteria",
+            )
 
     def stop(self) -> None:
         """Stop the generation at its next token, whatever the request does."""
@@ -287,6 +304,7 @@ def generate_in_thread(
         The started `Generation`.
 
     Raises:
+        TypeError: `token` is neither a `CancelToken` nor None.
         ValueError: `join_timeout` is not a finite number of seconds >= 0.
     """
     join_timeout = seconds("join_timeout", join_timeout)

@@ -138,6 +138,16 @@ def facts(data: dict[str, Any]) -> str:
     )
 
 
+def write_block(doc: Path, name: str, block: str) -> None:
+    """Replace the text between `<!-- BEGIN name -->` and `<!-- END name -->` in `doc`."""
+    text, begin, end = doc.read_text(), f"<!-- BEGIN {name} -->\n", f"<!-- END {name} -->"
+    if begin not in text or end not in text:
+        emit(f"render: {doc} has no BEGIN/END {name} block; left as is")
+        return
+    head, rest = text.split(begin, 1)
+    doc.write_text(head + begin + block + "\n" + end + rest.split(end, 1)[1])
+
+
 def emit(text: str) -> None:
     """Print a result table (benchmarks are CLI tools; the package itself never prints)."""
     sys.stdout.write(text + "\n")

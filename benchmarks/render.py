@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from . import latency, memory, overhead, serving, waste
-from ._util import ROOT, emit, load, results_dir
+from ._util import ROOT, emit, load, results_dir, write_block
 from .alternatives import VARIANTS
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -106,14 +106,7 @@ def main(quick: bool = False) -> dict[str, str]:
         (folder / "tables.md").write_text(text + "\n")
         emit(f"render: {folder / 'tables.md'}, {images}")
         return blocks
-    text = DOC.read_text()
     for name, block in blocks.items():
-        begin, end = f"<!-- BEGIN {name} -->\n", f"<!-- END {name} -->"
-        if begin not in text or end not in text:
-            emit(f"render: {DOC} has no BEGIN/END {name} block; left as is")
-            continue
-        head, rest = text.split(begin, 1)
-        text = head + begin + block + "\n" + end + rest.split(end, 1)[1]
-    DOC.write_text(text)
+        write_block(DOC, name, block)
     emit(f"render: tables -> {DOC}, plots -> {IMG}")
     return blocks

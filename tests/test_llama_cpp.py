@@ -58,7 +58,6 @@ def test_stops_at_the_token_after_the_cancel_and_counts_what_it_cost() -> None:
 
     assert complete(criterion, 100, each_token=cancel_at_ten) == ("stop", 10)
     assert criterion.stopped
-    assert not criterion.running
     assert criterion.generated == 11  # the eleventh was sampled, never handed out
     assert token.usage is not None
     usage = token.usage
@@ -76,27 +75,30 @@ def test_a_finished_generation_is_never_marked_cancelled() -> None:
 
     assert complete(criterion, 8, each_token=cancel_at_the_end) == ("length", 8)
     assert not criterion.stopped
-    assert not criterion.running
     assert token.usage is not None
     assert (token.usage.completion_tokens, token.usage.after_cancel) == (8, 0)
 
 
-def test_outside_a_request_it_says_so_and_never_stops(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+def test_outside_a_request_it_says_so_and_never_stops() -> None:
+    with pytest.warns(RuntimeWarning, match=r"outside a request.*pass token=") as warned:
         criterion = CancelCriterion()
+    assert warned[0].filename == __file__  # this line, not the adapter's
     assert criterion.token is None
-    assert "outside a request" in caplog.text
-    assert "pass token=" in caplog.text
     assert complete(criterion, 20) == ("length", 20)
     assert criterion.generated == 20
     assert criterion.prompt_tokens == PROMPT
 
 
-def test_a_token_that_is_not_a_cancel_token_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match="token must be a CancelToken"):
+def test_a_wrong_type_is_a_type_error_and_a_bad_value_a_value_error() -> None:
+    with pytest.raises(TypeError, match=r"token must be a CancelToken or None, got 'token' \(str"):
         CancelCriterion("token")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="token must be a CancelToken"):
         stream([], token=object())  # type: ignore[arg-type]
+    processor = asgi_cancel.llama_cpp.CancelLogitsProcessor
+    with pytest.raises(TypeError):
+        processor("2", CancelToken())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="eos_token must be a token id >= 0, got -1"):
+        processor(-1, CancelToken())
 
 
 def chunks(log: list[str]) -> Iterator[int]:
@@ -119,7 +121,6 @@ def test_stream_ends_at_once_and_closes_the_generation() -> None:
             token.fire("client disconnected")
     assert seen == [0, 1, 2, 3]
     assert log[-2:] == ["chunk 3", "closed"]  # no chunk was made after the cancel
-    assert not criterion.running  # told: the stream was closed here
 
 
 def test_stream_passes_everything_through_when_not_cancelled() -> None:
@@ -127,11 +128,10 @@ def test_stream_passes_everything_through_when_not_cancelled() -> None:
     assert list(stream(iter(range(5)), token=token)) == [0, 1, 2, 3, 4]
 
 
-def test_stream_outside_a_request_passes_through(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+def test_stream_outside_a_request_passes_through() -> None:
+    with pytest.warns(RuntimeWarning, match=r"stream\(\) was made outside a request"):
         passed = list(stream(range(3)))
     assert passed == [0, 1, 2]
-    assert "stream() was made outside a request" in caplog.text
 
 
 @pytest.fixture
@@ -150,18 +150,25 @@ def wait_for_record(caplog: pytest.LogCaptureFixture, text: str) -> str:
     raise AssertionError(f"no log record with {text!r}: {caplog.text}")
 
 
+UNASKED = "has not asked its stopping criteria or logits processor"
+
+
+def warned(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_thread_that_ignores_the_token_is_reported_not_waited_for(
     caplog: pytest.LogCaptureFixture, quick_watch: float
 ) -> None:
     token = CancelToken()
-    criterion = CancelCriterion(token)  # made, never passed to the generation
+    CancelCriterion(token)  # made, never passed to the generation
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
         started = time.monotonic()
         token.fire("client disconnected")
         assert time.monotonic() - started < quick_watch  # fire() does not wait
-        message = wait_for_record(caplog, "still running")
-    assert "0 tokens generated before the cancel, none since" in message
-    assert criterion.running
+        message = wait_for_record(caplog, UNASKED)
+    assert message.startswith("a llama.cpp generation has not asked")
+    assert "after its request was cancelled, nor before" in message
 
 
 def test_a_generation_that_stops_is_not_reported(
@@ -176,19 +183,104 @@ def test_a_generation_that_stops_is_not_reported(
         thread.join(5.0)
         time.sleep(quick_watch * 3)
     assert criterion.stopped
-    assert "still running" not in caplog.text
+    assert warned(caplog) == []
 
 
-def test_a_finished_generation_cancelled_afterwards_is_not_reported(
+class Scores(list[float]):
+    """What a logits processor is given (llama-cpp-python: a numpy array)."""
+
+    def fill(self, value: float) -> None:
+        self[:] = [value] * len(self)
+
+
+def process(processor: Callable[[list[int], Scores], Scores], tokens: int) -> None:
+    """llama-cpp-python's loop as a logits processor sees it: one call before each token is
+    sampled, and nothing when the generation ends (end of sequence, max_tokens, a stop)."""
+    ids = list(range(PROMPT))
+    for n in range(tokens):
+        processor(list(ids), Scores([0.5, 1.0, -1.0, 3.0]))
+        ids.append(n)
+
+
+def finished_streams(token: CancelToken) -> list[CancelCriterion]:
+    """A criterion whose generation ended on its own, one whose stream its caller closed
+    (without `stream()`), and a logits processor whose generation ended on its own."""
+    whole, closed = CancelCriterion(token), CancelCriterion(token)
+    assert complete(whole, 5) == ("length", 5)
+    for n in range(5):  # five chunks read, then the stream closed: no closing call
+        assert not closed(list(range(PROMPT + n)), None)
+    processor = asgi_cancel.llama_cpp.CancelLogitsProcessor(2, token)
+    process(processor, 5)
+    return [whole, closed, processor]
+
+
+def test_generations_that_ended_before_the_cancel_are_not_reported(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    token = CancelToken()
+    ended = finished_streams(token)
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        token.fire("client disconnected")
+        time.sleep(quick_watch * 4)
+    assert warned(caplog) == []
+    assert [criterion.stopped for criterion in ended] == [False, False, False]
+    assert token.usage is not None
+    assert (token.usage.completion_tokens, token.usage.after_cancel) == (15, 0)
+
+
+@pytest.mark.anyio
+async def test_two_generations_in_one_request_the_cancel_during_the_second(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    # A chat completion (a logits processor) ends on its own; the request then generates again
+    # (a criterion) and its client leaves meanwhile: the second stops, the first is not taken
+    # for a generation that ignores the token.
+    results: dict[str, Any] = {}
+    started = threading.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        def first() -> None:
+            results["first"] = asgi_cancel.llama_cpp.CancelLogitsProcessor(2)
+            process(results["first"], 5)
+
+        def second() -> tuple[str, int]:
+            results["second"] = criterion = CancelCriterion()
+
+            def slowly(n: int) -> None:
+                started.set()
+                time.sleep(0.002)
+
+            return complete(criterion, 3000, each_token=slowly)
+
+        await anyio.to_thread.run_sync(first)
+        results["finish"] = await anyio.to_thread.run_sync(second)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    conn = ClientConnection()
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"), anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(conn.run, CancelOnDisconnectMiddleware(app))
+            await anyio.to_thread.run_sync(started.wait)
+            conn.disconnect()
+        await anyio.sleep(quick_watch * 4)
+    assert results["second"].stopped
+    assert not results["first"].stopped
+    assert warned(caplog) == []
+
+
+def test_a_stream_closed_before_its_first_token_is_not_reported(
     caplog: pytest.LogCaptureFixture, quick_watch: float
 ) -> None:
     token = CancelToken()
     criterion = CancelCriterion(token)
-    assert complete(criterion, 5) == ("length", 5)
+    log: list[str] = []
+    chunked = stream(chunks(log), token=token, criteria=[criterion])
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
         token.fire("client disconnected")
-        time.sleep(quick_watch * 3)
-    assert "still running" not in caplog.text
+        assert list(chunked) == []  # closed at its first step: llama.cpp never asked
+        time.sleep(quick_watch * 4)
+    assert warned(caplog) == []
+    assert criterion.generated == 0
 
 
 # -- under the middleware: the token found in a worker thread, shield() and detach() ---------
@@ -265,13 +357,6 @@ def test_stopping_criteria_without_llama_cpp_names_the_extra() -> None:
         asgi_cancel.llama_cpp.stopping_criteria()
     with pytest.raises(ImportError, match=r"'llama-cpp-python\[server\]'"):
         asgi_cancel.llama_cpp.server_app()
-
-
-class Scores(list[float]):
-    """What a logits processor is given (llama-cpp-python: a numpy array)."""
-
-    def fill(self, value: float) -> None:
-        self[:] = [value] * len(self)
 
 
 def test_the_logits_processor_leaves_only_end_of_sequence_once_cancelled() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import asgi_cancel.transformers
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, detach, shield
 from asgi_cancel.testing import ClientConnection
 from asgi_cancel.transformers import CancelCriteria, generate_in_thread
@@ -173,12 +174,17 @@ def test_finished_generation_is_never_marked_stopped() -> None:
     assert (token.usage.completion_tokens, token.usage.after_cancel) == (10, 0)
 
 
-def test_criteria_outside_a_request_warns_and_never_stops() -> None:
-    with pytest.warns(RuntimeWarning, match="outside a request"):
+def test_criteria_outside_a_request_warns_at_the_callers_line_and_never_stops() -> None:
+    with pytest.warns(RuntimeWarning, match="outside a request") as warned:
         criteria = CancelCriteria()
     model = FakeModel(step=0)
     assert model.generate(max_new_tokens=50, stopping_criteria=[criteria]) == 50
     assert not criteria.stopped
+    with pytest.warns(RuntimeWarning, match="outside a request") as warned_too:
+        generation = generate_in_thread(model.generate, max_new_tokens=5)
+    assert generation.result(WATCHDOG) == 55
+    # This file's lines, not generate_in_thread's: the warning shows where the fix goes.
+    assert [w.filename for w in [*warned, *warned_too]] == [__file__, __file__]
 
 
 def test_criteria_made_in_a_plain_thread_has_no_token() -> None:
@@ -209,9 +215,89 @@ def test_criteria_made_in_a_plain_thread_has_no_token() -> None:
     assert inside.token is not None
 
 
-def test_criteria_rejects_what_is_not_a_token() -> None:
-    with pytest.raises(ValueError, match="token must be a CancelToken"):
+def test_a_token_of_the_wrong_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"token must be a CancelToken or None, got 'token' \(str"):
         CancelCriteria("token")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="token must be a CancelToken"):
+        generate_in_thread(FakeModel().generate, token=object())  # type: ignore[arg-type]
+
+
+UNASKED = "a transformers generate() has not asked its CancelCriteria"
+
+
+@pytest.fixture
+def quick_watch(monkeypatch: pytest.MonkeyPatch) -> float:
+    monkeypatch.setattr(asgi_cancel.transformers, "STILL_RUNNING_AFTER", 0.05)
+    return 0.05
+
+
+def test_criteria_never_called_is_reported_while_its_generation_runs_on(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    # run_in_executor, the criteria made in the endpoint but never passed to generate(): the
+    # generation runs to its end, and the log says why, STILL_RUNNING_AFTER after the cancel.
+    model = FakeModel(step=0.002)
+    wall_minus_monotonic = time.time() - time.monotonic()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        CancelCriteria()  # made, and forgotten
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: model.generate(max_new_tokens=600)
+        )
+        await respond(send)
+
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        asyncio.run(leave(CancelOnDisconnectMiddleware(app), when=lambda: len(model.made) >= 5))
+        assert model.ended.wait(WATCHDOG)
+    assert len(model.made) == 600
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(records) == 1, caplog.text
+    assert records[0].getMessage().startswith(UNASKED)
+    assert "after its request was cancelled, nor before" in records[0].getMessage()
+    # Reported while the thread still generated, not once it was done.
+    assert records[0].created - wall_minus_monotonic < model.made[-1] - 0.2
+
+
+def test_criteria_that_was_called_is_never_reported(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    token, fire = fired_token()
+    finished, stopping = CancelCriteria(token), CancelCriteria(token)
+    model = FakeModel(step=0)
+    model.generate(max_new_tokens=10, stopping_criteria=[finished])  # ended by itself
+    thread = threading.Thread(
+        target=model.generate, kwargs={"max_new_tokens": 5000, "stopping_criteria": [stopping]}
+    )
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        thread.start()
+        wait = time.monotonic() + WATCHDOG
+        while len(model.made) < 20 and time.monotonic() < wait:
+            time.sleep(0.001)
+        fire()
+        thread.join(WATCHDOG)
+        time.sleep(quick_watch * 4)
+    assert stopping.stopped
+    assert not finished.stopped
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_criteria_made_in_a_shield_is_not_reported(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    made: list[CancelCriteria] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        with shield():
+            made.append(CancelCriteria())  # never called, on purpose: shielded work runs on
+            await asyncio.sleep(quick_watch * 4)
+        await respond(send)
+
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        asyncio.run(leave(CancelOnDisconnectMiddleware(app), when=lambda: bool(made)))
+        time.sleep(quick_watch * 2)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 @pytest.mark.parametrize("keep", ["shield", "detach"])

@@ -1,7 +1,8 @@
 """A FastAPI app that runs transformers' `generate()` in worker threads, under uvicorn.
 
 The documented patterns, each at `/bare/<route>` (no middleware, no adapter: what apps do
-today) and `/mw/<route>` (`CancelOnDisconnectMiddleware` and `asgi_cancel.transformers`):
+today), `/middleware/<route>` (the middleware alone: the app task is cancelled, the thread is
+not) and `/mw/<route>` (`CancelOnDisconnectMiddleware` and `asgi_cancel.transformers`):
 
 - `stream-thread`: a sync endpoint, `TextIteratorStreamer` and a `threading.Thread`;
 - `stream-async`: the same from an `async def` endpoint;
@@ -11,7 +12,9 @@ today) and `/mw/<route>` (`CancelOnDisconnectMiddleware` and `asgi_cancel.transf
 
 One generation at a time (a lock in the thread, as a single-model server has), so a request
 queues behind one whose client left. `Engine` counts from the engine's side: every stopping
-criteria call (one per token) and every streamer `put`, timestamped, per request id.
+criteria call (one per token) and every streamer `put`, timestamped, per request id. Under the
+middleware a caller's budget (`x-request-timeout`) sets the request's deadline, and
+`POST /v1/requests/{X-Request-Id}/cancel` cancels it by id.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from asgi_cancel import CancelOnDisconnectMiddleware, current_token
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, cancel_endpoint, current_token
 from asgi_cancel.transformers import CancelCriteria, generate_in_thread
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
@@ -102,7 +105,7 @@ class Engine:
 
 
 def build_app(engine: Engine) -> ASGIApp:
-    """`/bare/<route>` and `/mw/<route>`; POST a JSON body `{"id", "prompt", "max_new_tokens"}`."""
+    """`/{bare,middleware,mw}/<route>`; POST a JSON body `{"id", "prompt", "max_new_tokens"}`."""
     api = FastAPI()
 
     def watch(request_id: str) -> None:
@@ -122,7 +125,7 @@ def build_app(engine: Engine) -> ASGIApp:
 
     def add_routes(prefix: str, adapter: bool) -> None:
         def arguments(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-            if adapter:
+            if prefix != "/bare":
                 watch(body["id"])
             return body["id"], {
                 **engine.inputs(body["prompt"]),
@@ -170,11 +173,16 @@ def build_app(engine: Engine) -> ASGIApp:
             return {"tokens": int(output.shape[-1])}
 
     add_routes("/bare", adapter=False)
+    add_routes("/middleware", adapter=False)
     add_routes("/mw", adapter=True)
-    wrapped = CancelOnDisconnectMiddleware(api)
+    registry = CancelRegistry()
+    api.mount("/v1/requests", cancel_endpoint(registry, authorize=None))  # 127.0.0.1 only
+    wrapped = CancelOnDisconnectMiddleware(
+        api, registry=registry, timeout_header="x-request-timeout"
+    )
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        chosen = wrapped if scope.get("path", "").startswith("/mw/") else api
+        chosen = api if scope.get("path", "").startswith("/bare/") else wrapped
         await chosen(scope, receive, send)
 
     return app

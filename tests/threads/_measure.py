@@ -64,3 +64,37 @@ def depart(
             measured["next_tokens"] = len(engine.steps[next_id])
             follower.read_all(timeout)
     return measured
+
+
+DEADLINE_MS = 100  # the caller's budget in stop_by("deadline"): a few dozen tokens in
+
+
+def stop_by(
+    server: Server, mode: str, route: str, how: str, *, max_new_tokens: int, timeout: float = 120.0
+) -> dict[str, Any]:
+    """POST `/{mode}/{route}` from a client that stays, and stop it the other two ways:
+    `deadline` (its `x-request-timeout`) or `cancel` (`POST /v1/requests/{id}/cancel` once the
+    engine made `LEAVE_AFTER` tokens); wait for the generation's end, and count from the
+    engine's side what it made after the request's token fired."""
+    engine = server.engine
+    request_id = new_id(f"{how}-{mode}-{route}")
+    payload = {"id": request_id, "prompt": PROMPT, "max_new_tokens": max_new_tokens}
+    header = {"x-request-timeout": f"{DEADLINE_MS}ms"} if how == "deadline" else {}
+    measured: dict[str, Any] = {}
+    with RawClient(server.port).post(
+        f"/{mode}/{route}", payload, {"x-request-id": request_id, **header}
+    ) as client:
+        if how == "cancel":
+            wait_for(lambda: len(engine.steps[request_id]) >= LEAVE_AFTER, timeout, "tokens")
+            with RawClient(server.port).post(f"/v1/requests/{request_id}/cancel", {}) as cancel:
+                measured["cancel_answer"] = cancel.read_all(timeout).split(b" ", 2)[1].decode()
+        wait_for(lambda: request_id in engine.ended, timeout, "the generation's end")
+        measured["status"] = client.read_all(timeout).split(b" ", 2)[1].decode()
+    steps = engine.steps[request_id]
+    fired = engine.fired[request_id]
+    measured |= {
+        "tokens": len(steps),
+        "tokens_after_fire": engine.tokens_after(request_id, fired),
+        "fire_to_stop_ms": round((engine.ended[request_id] - fired) * 1000, 1),
+    }
+    return measured

@@ -117,6 +117,23 @@ class Generations:
         self.model_class.generate = self.generate
 
 
+# --continuous-batching with a small KV cache: by default it is sized from the free memory (~20 GB
+# on a 2-core machine: the kernel killed the process).
+CONTINUOUS_BATCHING = {"continuous_batching": True, "cb_block_size": 32, "cb_num_blocks": 256}
+
+
+@contextmanager
+def served(model: Path, *, recipe: bool, batched: bool) -> Iterator[int]:
+    """`serving()` alone or with `serve_recipe()`, with or without continuous batching."""
+    undo = serve_recipe() if recipe else None
+    try:
+        with serving(model, **(CONTINUOUS_BATCHING if batched else {})) as port:
+            yield port
+    finally:
+        if undo is not None:
+            undo()
+
+
 @contextmanager
 def serving(model: Path, **options: Any) -> Iterator[int]:
     """`transformers serve` on 127.0.0.1 in this process (`Serve(..., non_blocking=True)`):

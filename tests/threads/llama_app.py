@@ -9,11 +9,13 @@ For tests/threads/test_llama_cpp.py, under uvicorn. Environment:
 
 `POST /v1/completions` takes `{"prompt", "max_tokens", "stream", "chat", "thread"}`; `thread`
 says how the generation reaches its worker thread: `to_thread` (`asyncio.to_thread`, which
-copies the context: the criteria are made in the thread), `thread` (a `threading.Thread`,
-which does not: the token is taken in the request and handed over), or `ignore` (the thread
-never looks at the token: made, not passed). `POST /v1/completions/sync` is a FastAPI `def`
-endpoint (Starlette's thread pool). `GET /probe`: the engine's side (`llama_probe`) and the
-usage the cancel reports counted.
+copies the context: the criteria are made in the thread), `thread` (a `threading.Thread`) or
+`executor` (`loop.run_in_executor`), which do not (the token is taken in the request and
+handed over), or `ignore` (the thread never looks at the token: made, not passed).
+`POST /v1/completions/sync` is a FastAPI `def` endpoint (Starlette's thread pool). A caller's
+budget (`x-request-timeout: 150ms`) sets the request's deadline; with the middleware, a
+request carries an id (`X-Request-Id`) that `POST /v1/requests/{id}/cancel` cancels. `GET
+/probe`: the engine's side (`llama_probe`) and the usage the cancel reports counted.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
 
 import asgi_cancel.llama_cpp
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, TokenUsage, current_token
+from asgi_cancel import (
+    CancelOnDisconnectMiddleware,
+    CancelRegistry,
+    CancelToken,
+    TokenUsage,
+    cancel_endpoint,
+    current_token,
+)
 from asgi_cancel.llama_cpp import logits_processor, stopping_criteria, stream
 from asgi_cancel.types import CancelledRequest
 
@@ -93,6 +102,8 @@ def in_thread(body: Completion, work: Callable[[CancelToken | None], Any]) -> as
     if body.thread == "to_thread":
         return asyncio.ensure_future(asyncio.to_thread(work, None))
     loop = asyncio.get_running_loop()
+    if body.thread == "executor":
+        return loop.run_in_executor(None, work, token)
     future: asyncio.Future[Any] = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:
@@ -196,8 +207,9 @@ def record(request: CancelledRequest) -> Callable[[], None]:
     return finished
 
 
-# A caller's budget (`x-request-timeout: 150ms`) sets the request's deadline.
+REGISTRY = CancelRegistry()
+app.mount("/v1/requests", cancel_endpoint(REGISTRY, authorize=None))  # 127.0.0.1 only
 middleware = CancelOnDisconnectMiddleware(
-    app, on_cancelled=record, timeout_header="x-request-timeout"
+    app, on_cancelled=record, timeout_header="x-request-timeout", registry=REGISTRY
 )
 asgi: Any = app if MODE == "alone" else middleware

@@ -29,7 +29,7 @@ with warnings.catch_warnings():
 
     from ..vllm._harness import tiny_model
     from ._measure import LEAVE_AFTER
-    from ._serve import BatchedGenerations, Generations, serve_departure, serve_recipe, serving
+    from ._serve import BatchedGenerations, Generations, serve_departure, served
 
 pytestmark = [pytest.mark.vllm, pytest.mark.servers, pytest.mark.timeout(120)]
 
@@ -56,15 +56,8 @@ def server(
     request: pytest.FixtureRequest, generations: tuple[Generations, BatchedGenerations]
 ) -> Iterator[tuple[str, int, Generations | BatchedGenerations]]:
     mode, _, batched = request.param.partition("-")
-    # --continuous-batching, with a small KV cache: by default it takes most of the free memory.
-    options = {"continuous_batching": True, "cb_block_size": 32, "cb_num_blocks": 256}
-    undo = serve_recipe() if mode == "recipe" else None
-    try:
-        with serving(tiny_model(), **(options if batched else {})) as port:
-            yield mode, port, generations[1 if batched else 0]
-    finally:
-        if undo is not None:
-            undo()
+    with served(tiny_model(), recipe=mode == "recipe", batched=bool(batched)) as port:
+        yield mode, port, generations[1 if batched else 0]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
