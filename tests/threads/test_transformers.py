@@ -38,9 +38,10 @@ with warnings.catch_warnings():
 pytestmark = [pytest.mark.vllm, pytest.mark.servers, pytest.mark.timeout(300)]
 
 MAX_NEW_TOKENS = 300  # about 1-3 s on this model; the control runs it all
-# The token being computed at the close, and one more when the disconnect reaches the loop a
-# step later on a loaded machine; a leak makes the hundreds the control shows.
-MAX_TOKENS_AFTER_CLOSE = 4
+# The token being computed at the close, and a few more while the disconnect reaches the loop
+# on a loaded machine (the generating thread holds the GIL between tokens: up to 9 seen on 2
+# shared cores); a leak makes the hundreds the control shows.
+MAX_TOKENS_AFTER_CLOSE = 30
 MEASURED: dict[str, Any] = {}
 
 
