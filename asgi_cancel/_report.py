@@ -18,6 +18,8 @@ logger = logging.getLogger("asgi_cancel")
 UNMATCHED = "unmatched"
 BEFORE_RESPONSE = "before_response"
 MID_STREAM = "mid_stream"
+HANDSHAKE = "handshake"
+SESSION = "session"
 # Characters of one logged field at most: a path can be as long as the server's header limit.
 MAX_LOGGED = 300
 
@@ -36,9 +38,18 @@ def route_template(scope: Scope) -> str:
     return template if isinstance(template, str) and template else UNMATCHED
 
 
-def phase(response_started: bool) -> str:
-    """`"mid_stream"` once the response has started, `"before_response"` otherwise."""
+def phase(response_started: bool, scope_type: str = "http") -> str:
+    """`"mid_stream"` once the response has started, `"before_response"` otherwise; for a
+    websocket session, `"session"` once it was accepted, `"handshake"` otherwise."""
+    if scope_type == "websocket":
+        return SESSION if response_started else HANDSHAKE
     return MID_STREAM if response_started else BEFORE_RESPONSE
+
+
+def method_of(scope: Scope) -> str:
+    """The request's method; `"WEBSOCKET"` for a websocket session (whose scope has none)."""
+    method: str = scope.get("method") or ("WEBSOCKET" if scope["type"] == "websocket" else "?")
+    return method
 
 
 def escaped(value: object) -> str:
@@ -72,7 +83,7 @@ def report_cancelled(
     scope = request.scope
     cancel_scope.on_finished(lambda: _log_usage(request, cancel_scope.request_id))
     if logger.isEnabledFor(logging.INFO):
-        method = escaped(scope.get("method", "?"))
+        method = escaped(method_of(scope))
         path = escaped(scope.get("path", "?"))
         route = route_template(scope)
         request_id = cancel_scope.request_id
@@ -83,8 +94,9 @@ def report_cancelled(
             "reason": escaped(request.reason),
             "elapsed": round(request.elapsed, 6),
             "response_started": request.response_started,
-            "phase": phase(request.response_started),
+            "phase": phase(request.response_started, scope["type"]),
             "status": status,
+            "close_code": request.close_code,
             "request_id": None if request_id is None else escaped(request_id),
         }
         logger.info(
@@ -93,9 +105,9 @@ def report_cancelled(
             path,
             "" if route == UNMATCHED or route == path else f" [{fields['route']}]",
             request.elapsed,
-            "mid-stream" if request.response_started else "before the response",
+            _WHEN[fields["phase"]],
             fields["reason"],
-            "stream cut" if status is None else status,
+            _outcome(request, status),
             extra={"asgi_cancel": fields},
         )
     if on_cancelled is None:
@@ -114,6 +126,20 @@ def report_cancelled(
         )
 
 
+_WHEN = {
+    BEFORE_RESPONSE: "before the response",
+    MID_STREAM: "mid-stream",
+    HANDSHAKE: "during the handshake",
+    SESSION: "in the session",
+}
+
+
+def _outcome(request: CancelledRequest, status: int | None) -> str:
+    if request.close_code is not None:
+        return f"close {request.close_code}"
+    return "stream cut" if status is None else str(status)
+
+
 def _log_usage(request: CancelledRequest, request_id: str | None) -> None:
     """Once a cancelled request is over: what the engine spent on it, if a binding counted."""
     usage = request.usage
@@ -123,7 +149,7 @@ def _log_usage(request: CancelledRequest, request_id: str | None) -> None:
         return
     scope = request.scope
     fields = {
-        "method": escaped(scope.get("method", "?")),
+        "method": escaped(method_of(scope)),
         "path": escaped(scope.get("path", "?")),
         "reason": escaped(request.reason),
         "prompt_tokens": usage.prompt_tokens,

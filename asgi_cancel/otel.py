@@ -37,7 +37,8 @@ class TraceCancellations:
 
     At the cancellation (the client's disconnect), the span that was current when the request
     reached this middleware gets an `asgi_cancel.cancelled` event and the attributes
-    `asgi_cancel.reason`, `asgi_cancel.phase` (`"before_response"` or `"mid_stream"`) and
+    `asgi_cancel.reason`, `asgi_cancel.phase` (`"before_response"` or `"mid_stream"`; a
+    websocket session's: `"handshake"` or `"session"`) and
     `asgi_cancel.elapsed` (seconds since the request reached this middleware). Nothing is
     done when no span is recording, for requests that are not cancelled, or outside
     `CancelOnDisconnectMiddleware`; a request with a recording span costs one wrapped `send`.
@@ -50,7 +51,7 @@ class TraceCancellations:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         span = trace.get_current_span()
@@ -73,7 +74,7 @@ class TraceCancellations:
         def mark_span() -> None:
             attributes: dict[str, str | float] = {
                 "asgi_cancel.reason": token.reason or "",
-                "asgi_cancel.phase": phase(response_started),
+                "asgi_cancel.phase": phase(response_started, scope["type"]),
                 "asgi_cancel.elapsed": monotonic() - started_at,
             }
             span.add_event(EVENT, attributes)

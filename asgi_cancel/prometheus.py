@@ -23,7 +23,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
     raise missing_extra("prometheus", exc) from exc
 
-from ._report import phase, route_template
+from ._report import method_of, phase, route_template
 from .types import CancelledRequest
 
 __all__ = ["DEFAULT_BUCKETS", "CancelMetrics", "route_template"]
@@ -33,7 +33,7 @@ DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 cleanup: an engine abort is a few ms, a cleanup that flushes or rolls back can take seconds."""
 # Any other method (a client can send anything) is counted as "other": a bounded label.
 _METHODS = frozenset(
-    ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE")
+    ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE", "WEBSOCKET")
 )
 LABELS = ("method", "route", "reason", "phase")
 
@@ -44,7 +44,8 @@ class CancelMetrics:
     Three metrics, each labelled by `method`, `route` (the router's template such as
     `/v1/items/{item_id}`, never the raw path; `"unmatched"` when no Starlette/FastAPI route
     matched), `reason` (`"client disconnected"`, ...) and `phase` (`"before_response"` or
-    `"mid_stream"`): every label takes values from a bounded set.
+    `"mid_stream"`; for a websocket session, whose `method` is `"WEBSOCKET"`, `"handshake"` or
+    `"session"`): every label takes values from a bounded set.
 
     - `<namespace>_cancelled_requests_total`: a counter, incremented once per cancelled
       request, at the disconnect.
@@ -103,12 +104,12 @@ class CancelMetrics:
         )
 
     def __call__(self, request: CancelledRequest) -> Callable[[], None]:
-        method = request.scope.get("method", "")
+        method = method_of(request.scope)
         labels = (
             method if method in _METHODS else "other",
             route_template(request.scope),
             request.reason,
-            phase(request.response_started),
+            phase(request.response_started, request.scope["type"]),
         )
         usage = request.usage
         self.cancelled.labels(*labels).inc()

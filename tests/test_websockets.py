@@ -327,3 +327,34 @@ async def test_a_turn_outside_a_request_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="outside a request"):
         with turn():
             pass  # pragma: no cover
+
+
+# -- metrics and the log line ---------------------------------------------------------------------
+async def test_a_cancelled_session_is_logged_and_counted_with_its_phase_and_code(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from asgi_cancel.prometheus import CancelMetrics
+
+    registry = CollectorRegistry()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        await anyio.sleep(30)
+
+    server = QueueServer(CONNECT)
+    middleware = CancelOnDisconnectMiddleware(app, on_cancelled=CancelMetrics(registry=registry))
+    with caplog.at_level("INFO", logger="asgi_cancel"):
+        async with session(middleware, ws_scope(), server):
+            await until(lambda: server.receive_calls >= 2)
+            server.put(gone(1001))
+    (line,) = [r for r in caplog.records if "cancelled after" in r.getMessage()]
+    message = line.getMessage()
+    assert message.startswith("WEBSOCKET /ws cancelled after ")
+    assert message.endswith("in the session: client disconnected (close 1001)")
+    labels = {"method": "WEBSOCKET", "route": "unmatched", "reason": "client disconnected"}
+    counted = registry.get_sample_value(
+        "asgi_cancel_cancelled_requests_total", labels | {"phase": "session"}
+    )
+    assert counted == 1.0
