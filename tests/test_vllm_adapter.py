@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware
+from asgi_cancel import CancelOnDisconnectMiddleware, turn
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import EngineClient, abort_on_cancel, generate
@@ -256,3 +256,42 @@ async def test_generation_started_after_the_disconnect_is_aborted(use_helper: bo
     else:
         assert outputs  # it ran during the grace period
         assert engine.events[-1] == "abort done"
+
+
+async def test_a_turn_aborts_its_own_engine_request_and_leaves_the_sessions() -> None:
+    """Inside `turn()` the adapter follows the turn's token: cancelling the turn aborts the
+    turn's engine request only; the session's own request runs on."""
+    engine = FakeEngine()
+    turns: list[turn] = []
+    outcome: dict[str, int] = {}
+
+    async def generate_for_the_session() -> None:
+        async with abort_on_cancel(_typed(engine), "session-req"):
+            async for output in engine.generate("hi", None, "session-req"):
+                outcome["session"] = output.num_tokens
+                if output.num_tokens == 50:
+                    return
+
+    async def generate_in_a_turn() -> None:
+        current = turn()
+        turns.append(current)
+        with current:
+            async with abort_on_cancel(_typed(engine), "turn-req"):
+                async for output in engine.generate("hi", None, "turn-req"):
+                    outcome["turn"] = output.num_tokens
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        task = asyncio.ensure_future(generate_in_a_turn())
+        while outcome.get("turn", 0) < 5:
+            await asyncio.sleep(0.001)
+        turns[0].cancel("response.cancel")
+        await generate_for_the_session()
+        await task
+        await respond(send)
+
+    conn = await serve(app)
+    assert engine.abort_calls == [["turn-req"]]
+    assert outcome["session"] == 50
+    assert outcome["turn"] < 20  # aborted a few steps after the cancel, not run to 2000
+    assert conn.status == 200
