@@ -18,7 +18,7 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import EngineClient, abort_on_cancel, generate
 
-from .helpers import WATCHDOG, leave, read_body, respond, watching, with_watchdog
+from .helpers import WATCHDOG, leave, read_body, respond, until, watching, with_watchdog
 
 pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only(reason="vLLM's engine is asyncio")]
 
@@ -283,8 +283,7 @@ async def test_a_turn_aborts_its_own_engine_request_and_leaves_the_sessions() ->
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
         task = asyncio.ensure_future(generate_in_a_turn())
-        while outcome.get("turn", 0) < 5:
-            await asyncio.sleep(0.001)
+        await until(lambda: outcome.get("turn", 0) >= 5)
         turns[0].cancel("response.cancel")
         await generate_for_the_session()
         await task
