@@ -18,6 +18,7 @@ from ._responses import logger
 from ._servers import steppable
 from ._stepped import HandStepped
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
+from ._watcher import watcher as watcher_of
 
 __all__ = ["NO_CONTEXT", "AsyncioLane", "awaited", "cancelling", "current_task", "uncancel"]
 
@@ -103,11 +104,11 @@ class AsyncioLane:
             self.watching = True
             loop = self.task.get_loop()
             if steppable(cycle.real_receive):
-                watcher = self.watcher = HandStepped(loop, cycle.watcher())
+                watcher = self.watcher = HandStepped(loop, watcher_of(cycle))
                 watcher.step()
             else:
                 # In a context of its own: the task must not keep the request's alive.
-                self.watcher = contextvars.Context().run(loop.create_task, cycle.watcher())
+                self.watcher = contextvars.Context().run(loop.create_task, watcher_of(cycle))
         return self.watching
 
     def watch_ended(self) -> None:

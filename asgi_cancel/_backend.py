@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -200,8 +200,6 @@ class Served(Protocol):
     def in_app_task(self) -> bool: ...
 
     def watchable(self) -> bool: ...
-
-    def watcher(self) -> Coroutine[Any, Any, None]: ...
 
 
 class GraceOption(Protocol):

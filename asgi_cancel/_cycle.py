@@ -11,7 +11,7 @@ import enum
 import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Generator
 from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -21,7 +21,6 @@ from ._report import report_cancelled
 from ._scope import CancelScope
 from ._servers import in_send
 from ._token import bind, unbind
-from ._watcher import watch
 from .types import CancelledRequest, Message, OnCancelled, Receive, Scope, Send
 
 logger = logging.getLogger("asgi_cancel")
@@ -265,12 +264,6 @@ class Cycle(Generic[L]):
     def watchable(self) -> bool:
         """Whether there is anything left to watch for (the watcher starts only if so)."""
         return self.disconnect is None and self.state is not FINISHED
-
-    def ended(self) -> bool:
-        return self.state is FINISHED
-
-    def watcher(self) -> Coroutine[Any, Any, None]:
-        return watch(self)
 
     def hold(self) -> None:
         """The watcher waits for the app's first move (`Expect: 100-continue`): the app asks

@@ -96,9 +96,10 @@ def report_cancelled(
             "response_started": request.response_started,
             "phase": phase(request.response_started, scope["type"]),
             "status": status,
-            "close_code": request.close_code,
             "request_id": None if request_id is None else escaped(request_id),
         }
+        if request.close_code is not None:  # a websocket session's
+            fields["close_code"] = request.close_code
         logger.info(
             "%s %s%s cancelled after %.3fs %s: %s (%s)",
             method,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from time import monotonic
 from typing import Any, Generic, TypeVar
 
@@ -23,7 +23,6 @@ from ._report import report_cancelled
 from ._responses import WEBSOCKET_CLOSE_CODES
 from ._scope import CancelScope
 from ._token import bind, unbind
-from ._watcher import watch_session
 from .types import CancelledRequest, Message, Receive, Scope, Send
 
 __all__ = ["MESSAGE_COST", "Session"]
@@ -136,9 +135,6 @@ class Session(Generic[L]):
     def watchable(self) -> bool:
         return self.disconnect is None and self.phase is not FINISHED
 
-    def watcher(self) -> Coroutine[Any, Any, None]:
-        return watch_session(self)
-
     # -- what the app sees -------------------------------------------------------------------------
     async def receive(self) -> Message:
         self.app_waiting += 1
@@ -222,9 +218,6 @@ class Session(Generic[L]):
         )
         report_cancelled(request, scope, None if stopped else code, self.options.on_cancelled)
         scope.cancel_app(listening=listening)
-
-    def ended(self) -> bool:
-        return self.phase is FINISHED
 
     def finished(self) -> None:
         """The app returned (or raised): the session's one end."""

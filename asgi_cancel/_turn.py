@@ -4,7 +4,7 @@ a token of its own that can be cancelled alone, and that the request's cancellat
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
@@ -147,9 +147,6 @@ class _Turn:
 
     def watchable(self) -> bool:
         return False
-
-    def watcher(self) -> Coroutine[Any, Any, None]:  # pragma: no cover - a turn has none
-        raise NotImplementedError
 
 
 class _TurnLane:

@@ -11,21 +11,28 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Coroutine
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ._cycle import FINISHED, Cycle
 from ._messages import expects_continue
 from ._servers import paused_reading, reading_of
-
-if TYPE_CHECKING:
-    from ._cycle import Cycle
-    from ._session import Session
+from ._session import FINISHED as SESSION_FINISHED
+from ._session import Session
 
 logger = logging.getLogger("asgi_cancel")
 
 # Empty `http.request` messages tolerated after the body is complete before the watcher gives
 # up on a server's receive (a server that answered every call at once would otherwise spin).
 _MAX_EXTRA_REQUESTS = 3
+
+
+def watcher(request: Any) -> Coroutine[Any, Any, None]:
+    """The watcher for `request`: an HTTP cycle's, or a websocket session's."""
+    if isinstance(request, Session):
+        return watch_session(request)
+    return watch(request)
 
 
 async def watch_within(
@@ -35,7 +42,7 @@ async def watch_within(
     request)."""
     with scope:
         if request.watchable():
-            await request.watcher()
+            await watcher(request)
             return
     request.ensure_lane().watch_ended()
 
@@ -61,7 +68,7 @@ async def watch(cycle: Cycle[Any]) -> None:
                     return
                 await lane.park()
             cycle.holding = False
-        while cycle.watchable():
+        while cycle.disconnect is None and cycle.state is not FINISHED:
             if cycle.reading or (
                 not cycle.body_complete and cycle.buffered and cycle.buffered >= read_ahead
             ):
@@ -81,7 +88,7 @@ async def watch(cycle: Cycle[Any]) -> None:
                 return
             finally:
                 cycle.reading = False
-            if cycle.ended():
+            if cycle.state is FINISHED:
                 return  # (uvicorn answers it once the response is complete)
             message_type = message["type"]
             if message_type == "http.disconnect":
@@ -117,7 +124,7 @@ async def watch_session(session: Session[Any]) -> None:
     receive = session.real_receive
     lane = session.ensure_lane()
     try:
-        while session.watchable():
+        while session.disconnect is None and session.phase is not SESSION_FINISHED:
             if session.read_ahead_full():
                 await lane.park()  # until the app has taken some
                 continue
@@ -130,7 +137,7 @@ async def watch_session(session: Session[Any]) -> None:
                 return
             finally:
                 session.reading = False
-            if session.ended():
+            if session.phase is SESSION_FINISHED:
                 return
             if message["type"] == "websocket.disconnect":
                 session.client_left(message)
