@@ -5,9 +5,10 @@ app's first step by hand to see whether it yields, so that a request that runs
 to the end in one step (a hello world, a cached answer) costs a `Cycle` and nothing else: no
 timer, no lane. One that yields has its first wait relayed to the task (`relayed`), the rest of
 it resumed with no frame of ours between (`Cycle.__await__`), and is watched once it has run for
-`watch_delay` seconds (`watch_after`): on the servers whose `receive()` awaits only the loop's
-futures by stepping the watcher by hand (`_stepped.HandStepped`), else in a task. Its
-`AsyncioLane` cancels the server's task, once.
+`watch_delay` seconds (`watch_after`): by a watcher stepped by hand (`_stepped.HandStepped`) on
+the servers whose `receive()` awaits only the loop's futures, else in a task. Its `AsyncioLane`
+cancels the server's task, once. A websocket session runs in `run_session`, watched from its
+start.
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ async def run_session(
             session.finished()
             return await refused
         lane.track(tracking)
-    session.app = options.app(scope, session.receive, session.send)
     lane.watch_now()
     result = None
     try:
+        session.app = options.app(scope, session.receive, session.send)
         result = await session.app
     except asyncio.CancelledError:
         if not session.absorbs():
