@@ -241,10 +241,10 @@ class AsyncioLane:
         """End the watcher task, and wait for the tasks `on_cancel` callbacks started, even
         through a server shutdown: none outlives the request."""
         watcher, self.watcher = self.watcher, None
+        interrupted: asyncio.CancelledError | None = None
         if isinstance(watcher, asyncio.Task):
-            await _end_watcher(watcher, outside)
+            interrupted = await _end_watcher(watcher, outside)
         spawned = self.spawned
-        interrupted = False
         while spawned:
             # Callbacks' tasks (engine aborts) must finish: the app's cleanup may rely on them.
             tasks = list(spawned)
@@ -253,37 +253,39 @@ class AsyncioLane:
             for task in tasks:
                 if not task.cancelled() and task.exception() is not None:
                     logger.error("on_cancel task failed", exc_info=task.exception())
-        if interrupted:
-            raise asyncio.CancelledError
+        if interrupted is not None:
+            # That very cancellation, not a new one: an anyio scope knows its own by its
+            # message, and would let a new one escape it.
+            raise interrupted
 
 
 async def awaited(awaitable: Awaitable[object]) -> object:
     return await awaitable
 
 
-async def _end_watcher(watcher: asyncio.Task[None], outside: bool) -> None:
-    """End a watcher task. Under an outside cancellation it is cancelled and not waited for:
-    it ends on its next step, and the cancellation is re-raised at once (uvicorn stops its loop
-    a few iterations after cancelling the requests at shutdown)."""
+async def _end_watcher(watcher: asyncio.Task[None], outside: bool) -> asyncio.CancelledError | None:
+    """End a watcher task; the cancellation that came meanwhile, if one did. Under an outside
+    cancellation it is cancelled and not waited for: it ends on its next step, and the
+    cancellation is re-raised at once (uvicorn stops its loop a few iterations after cancelling
+    the requests at shutdown)."""
     if outside or not woken(watcher):
         watcher.cancel()
     else:
         # Its wait is over (uvicorn answers its receive() once the response is complete): its
         # next step, already due, ends it, with no CancelledError through its frames.
         watcher.get_loop().call_soon(watcher.cancel)
-    if not outside and await _wait_out([watcher]):
-        raise asyncio.CancelledError
+    return None if outside else await _wait_out([watcher])
 
 
-async def _wait_out(tasks: list[asyncio.Task[Any]]) -> bool:
-    """Wait until `tasks` are done; return whether we were cancelled meanwhile.
+async def _wait_out(tasks: list[asyncio.Task[Any]]) -> asyncio.CancelledError | None:
+    """Wait until `tasks` are done; return the cancellation that came meanwhile, if one did.
 
     Cancelled from outside (server shutdown, an anyio scope that cancels again on every loop
     iteration), cancel the tasks and still wait for them to end, so that none outlives the
     request. Done-ness is re-checked after every wake-up, so a level-triggered cancellation
     cannot keep us waiting on tasks that already ended.
     """
-    interrupted = False
+    interrupted: asyncio.CancelledError | None = None
     pending = [task for task in tasks if not task.done()]
     while pending:
         waiter: asyncio.Future[None] = pending[0].get_loop().create_future()
@@ -296,8 +298,8 @@ async def _wait_out(tasks: list[asyncio.Task[Any]]) -> bool:
             task.add_done_callback(wake)
         try:
             await waiter
-        except asyncio.CancelledError:
-            interrupted = True
+        except asyncio.CancelledError as exc:
+            interrupted = exc
             for task in pending:
                 task.cancel()
         finally:

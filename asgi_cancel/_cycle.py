@@ -192,7 +192,11 @@ class Cycle(Generic[L]):
                         await self._cancel_body_reader()
                     return dict(self.disconnect)  # a fresh one: the app may change it
                 if not self.reading:
-                    if not self.body_complete or not self.ensure_lane().watch_now():
+                    if (
+                        not self.body_complete
+                        or self.response_complete()  # (what it reads cancels nothing now)
+                        or not self.ensure_lane().watch_now()
+                    ):
                         # Nobody holds the server's receive: read it ourselves, no task needed.
                         return await self._read_for_app()
                     # After the body the app listens (vLLM's `with_cancellation`, Starlette's

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import pytest
 
 from asgi_cancel import (
@@ -27,6 +28,7 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
 from .helpers import (
+    WATCHDOG,
     QueueServer,
     leave,
     noting_cancellation,
@@ -424,3 +426,37 @@ async def test_with_cancellation_gets_the_disconnect_first_and_nothing_is_orphan
         assert conn.status == 499
     else:
         assert conn.sent == []  # the client is gone: nothing reached it
+
+
+@pytest.mark.parametrize("scope_type", ["http", "websocket"])
+async def test_an_anyio_scope_cancelled_as_the_app_ends_still_knows_its_cancellation(
+    scope_type: str,
+) -> None:
+    """The scope around the middleware is cancelled while the middleware waits for its
+    watcher task (a test client tearing down, an outer timeout): it re-raises that very
+    cancellation, which anyio recognises by its message and stops at its scope, instead of a
+    new one that would escape it."""
+    first: Message = (
+        {"type": "websocket.connect"}
+        if scope_type == "websocket"
+        else {"type": "http.request", "body": b"", "more_body": False}
+    )
+    server = QueueServer(first)
+    cancelled: list[anyio.CancelScope] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await asyncio.sleep(0.02)  # past watch_delay: an HTTP request gets its watcher too
+        if scope_type == "websocket":
+            await send({"type": "websocket.close", "code": 1000})
+        else:
+            await respond(send)
+        asyncio.get_running_loop().call_soon(cancelled[0].cancel)  # as the app ends
+
+    scope = http_scope() if scope_type == "http" else {"type": "websocket", "path": "/"}
+    with anyio.fail_after(WATCHDOG):
+        with anyio.CancelScope() as outer:
+            cancelled.append(outer)
+            await CancelOnDisconnectMiddleware(app)(scope, server.receive, server.send)
+            await anyio.sleep_forever()
+    assert outer.cancelled_caught

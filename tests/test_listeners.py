@@ -86,3 +86,24 @@ async def test_a_body_reader_of_a_post_is_still_cancelled_at_once() -> None:
     with anyio.fail_after(WATCHDOG):
         await LeftBeforeTheBody().run(CancelOnDisconnectMiddleware(app), scope)
     assert events == ["cancelled"]
+
+
+def test_is_disconnected_after_the_response_sees_the_end_at_once() -> None:
+    """Starlette's `Request.is_disconnected()` polls `receive()` in a cancelled scope: once the
+    response is complete the app reads the server's receive itself (a disconnect then cancels
+    nothing), so the poll gets the server's answer as without the middleware."""
+    from starlette.responses import JSONResponse
+    from starlette.testclient import TestClient
+
+    seen: list[bool] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        await request.body()
+        await JSONResponse({})(scope, receive, send)
+        seen.append(await request.is_disconnected())
+
+    client = TestClient(CancelOnDisconnectMiddleware(app))
+    for _ in range(20):
+        assert client.post("/", content="x").status_code == 200
+    assert seen == [True] * 20
