@@ -6,14 +6,16 @@ Their events (`servers.events.record`, keyed by `?id=`): `start`; `cancelled` (a
 `cleanup_done` (an `except CancelledError` cleanup's awaited work); `finally`; `teardown` (a
 dependency's "database session" closed) and `used_after_close` (never allowed);
 `thread_returned`; `done` (the work ran to its end); `bg_done` (a background task); `hook` (the
-middleware's `on_cancelled`) and `exit` (how the whole ASGI app ended).
+middleware's `on_cancelled`) and `exit` (how the whole ASGI app ended). Websocket endpoints:
+`ticking` (busy: sends without reading) and `echoing` (listening: `disconnected` with the code
+its framework raised).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, cast
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token
@@ -178,3 +180,40 @@ async def polling_async_work(rid: str, seconds: float) -> str:
 async def background_work(rid: str) -> None:
     await asyncio.sleep(BACKGROUND_WORK)
     record(rid, "bg_done", **token_state())
+
+
+async def ticking(rid: str, seconds: float, send_text: Callable[[str], Awaitable[None]]) -> None:
+    """A websocket endpoint busy sending (an LLM streaming tokens): `tick <i>` every
+    CHUNK_INTERVAL for `seconds`, never reading what the client sends."""
+    record(rid, "start", **token_state())
+    try:
+        for index in range(int(seconds / CHUNK_INTERVAL)):
+            await send_text(f"tick {index}")
+            await asyncio.sleep(CHUNK_INTERVAL)
+    except asyncio.CancelledError as exc:
+        record_stop(rid, exc)
+        raise
+    finally:
+        record(rid, "finally")
+    record(rid, "done")
+
+
+async def echoing(
+    rid: str,
+    receive_text: Callable[[], Awaitable[str]],
+    send_text: Callable[[str], Awaitable[None]],
+    disconnected: tuple[type[Exception], ...] = (),
+) -> None:
+    """A listening websocket endpoint: echoes each message until its framework raises one of
+    `disconnected` (recorded with its `code`), or cancels it."""
+    record(rid, "start", **token_state())
+    try:
+        while True:
+            await send_text(await receive_text())
+    except disconnected as exc:
+        record(rid, "disconnected", code=getattr(exc, "code", None), **token_state())
+    except asyncio.CancelledError as exc:  # Quart cancels a handler whose client left
+        record_stop(rid, exc)
+        raise
+    finally:
+        record(rid, "finally")

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from asgiref.sync import async_to_sync, sync_to_async
-from fastapi import BackgroundTasks, Depends, FastAPI, Query
+from fastapi import BackgroundTasks, Depends, FastAPI, Query, WebSocket, WebSocketDisconnect
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from sse_starlette import EventSourceResponse
 
@@ -24,10 +24,12 @@ from .appkit import (
     background_work,
     blocking_work,
     chunks,
+    echoing,
     polling_async_work,
     resource_dependency,
     served,
     slow_work,
+    ticking,
 )
 
 RequestId = Annotated[str, Query(alias="id")]
@@ -99,6 +101,16 @@ def build() -> FastAPI:
             return PlainTextResponse(async_to_sync(polling_async_work)(rid, t))
         finally:
             record(rid, "thread_returned")
+
+    @api.websocket("/ws/busy")
+    async def ws_busy(websocket: WebSocket, rid: RequestId, t: float = 30) -> None:
+        await websocket.accept()
+        await ticking(rid, t, websocket.send_text)
+
+    @api.websocket("/ws/chat")
+    async def ws_chat(websocket: WebSocket, rid: RequestId) -> None:
+        await websocket.accept()
+        await echoing(rid, websocket.receive_text, websocket.send_text, (WebSocketDisconnect,))
 
     return api
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from quart import Quart, Response, request
+from quart import Quart, Response, request, websocket
 
-from .appkit import NORMAL_BODY, NORMAL_HEADER, chunks, served, slow_work
+from .appkit import NORMAL_BODY, NORMAL_HEADER, chunks, echoing, served, slow_work, ticking
 
 quart_app = Quart(__name__)
 
@@ -31,6 +31,25 @@ async def slow() -> str:
 async def stream() -> Response:
     body = chunks(request.args["id"], float(request.args.get("t", "30")))
     return Response(body, content_type="text/plain")
+
+
+@quart_app.websocket("/ws/busy")
+async def ws_busy() -> None:
+    await websocket.accept()
+    await ticking(websocket.args["id"], float(websocket.args.get("t", "30")), websocket.send)
+
+
+@quart_app.websocket("/ws/chat")
+async def ws_chat() -> None:
+    """Quart cancels the handler itself once its client left: `echoing` records a
+    cancellation, no `disconnected`."""
+    await websocket.accept()
+    await echoing(websocket.args["id"], receive_text, websocket.send)
+
+
+async def receive_text() -> str:
+    data = await websocket.receive()
+    return data if isinstance(data, str) else data.decode()
 
 
 app = served(quart_app, wrap=True)

@@ -10,12 +10,22 @@ from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from asgi_cancel import CancelOnDisconnectMiddleware
 
 from ..servers.events import record_hook
-from .appkit import NORMAL_BODY, NORMAL_HEADER, background_work, chunks, served, slow_work
+from .appkit import (
+    NORMAL_BODY,
+    NORMAL_HEADER,
+    background_work,
+    chunks,
+    echoing,
+    served,
+    slow_work,
+    ticking,
+)
 
 
 async def hello(request: Request) -> Response:
@@ -42,7 +52,23 @@ async def bg(request: Request) -> Response:
     )
 
 
-ROUTES = [Route(f"/{e.__name__}", e) for e in (hello, normal, slow, stream, bg)]
+async def ws_busy(websocket: WebSocket) -> None:
+    await websocket.accept()
+    rid, seconds = websocket.query_params["id"], float(websocket.query_params.get("t", "30"))
+    await ticking(rid, seconds, websocket.send_text)
+
+
+async def ws_chat(websocket: WebSocket) -> None:
+    await websocket.accept()
+    rid = websocket.query_params["id"]
+    await echoing(rid, websocket.receive_text, websocket.send_text, (WebSocketDisconnect,))
+
+
+ROUTES = [
+    *(Route(f"/{e.__name__}", e) for e in (hello, normal, slow, stream, bg)),
+    WebSocketRoute("/ws/busy", ws_busy),
+    WebSocketRoute("/ws/chat", ws_chat),
+]
 
 
 def build(*middleware: Middleware, cancel: bool) -> Starlette:

@@ -9,8 +9,6 @@ serves the next request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +17,8 @@ from ..servers.checks import WATCHDOG, assert_not_cancelled, leave
 from ..servers.client import FIN, close, connect, fetch, new_id, read_response, send_request
 from ..servers.events import Event
 from ..servers.latency import Latencies
-from ..servers.runner import HYPERCORN_ASYNCIO, UVICORN_HTTPTOOLS, Server, ServerSpec, serving
+from ..servers.runner import HYPERCORN_ASYNCIO, UVICORN_HTTPTOOLS, ServerSpec
+from .deployment import Deploy, assert_clean_log
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 
@@ -107,39 +106,6 @@ DEPLOYMENTS = list(dict.fromkeys((case.framework, case.server) for case in CASES
 WITH_BACKGROUND_TASKS = ["fastapi", "starlette", "basehttp"]
 
 
-Deployment = dict[bool, Server]  # one framework's app under one server: with the middleware?
-
-
-@pytest.fixture(scope="module")
-def deploy(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Callable[[str, ServerSpec], Deployment]]:
-    """`deploy(framework, spec)`: its two servers, started at the first use, kept for the
-    module (so each starts once, whichever test comes first), logs checked at the end."""
-    started: dict[tuple[str, ServerSpec], Deployment] = {}
-    with ExitStack() as stack:
-
-        def deploy(framework: str, spec: ServerSpec) -> Deployment:
-            if (framework, spec) not in started:
-                app = f"tests.frameworks.{framework}_app"
-                ours = stack.enter_context(serving(spec, f"{app}:app", tmp_path_factory))
-                control = stack.enter_context(serving(spec, f"{app}:control", tmp_path_factory))
-                started[framework, spec] = {True: ours, False: control}
-            return started[framework, spec]
-
-        yield deploy
-        for deployment in started.values():
-            for server in deployment.values():
-                assert_clean_log(server)
-
-
-def assert_clean_log(server: Server) -> None:
-    """No traceback and no 500 in the server's log, and it serves the next request."""
-    server.assert_no_traceback()
-    assert " 500" not in server.log(), f"{server.spec} logged a 500:\n{server.log()[-4000:]}"
-    assert fetch(server.port, "GET", "/hello").body == b"hello"
-
-
 def of(events: list[Event], name: str) -> list[Event]:
     return [event for event in events if event["event"] == name]
 
@@ -158,7 +124,7 @@ MIDDLEWARE = pytest.mark.parametrize("middleware", [True, False], ids=["with", "
     "case", CASES, ids=[f"{c.framework}-{c.server}-{c.scenario}" for c in CASES]
 )
 def test_client_leaves(
-    deploy: Callable[[str, ServerSpec], Deployment],
+    deploy: Deploy,
     case: Case,
     middleware: bool,
     latencies: Latencies,
@@ -207,9 +173,7 @@ def test_client_leaves(
 
 @MIDDLEWARE
 @pytest.mark.parametrize("framework", WITH_BACKGROUND_TASKS)
-def test_background_task_survives(
-    deploy: Callable[[str, ServerSpec], Deployment], framework: str, middleware: bool
-) -> None:
+def test_background_task_survives(deploy: Deploy, framework: str, middleware: bool) -> None:
     """A background task runs after the full response: a client that closes right after
     reading it cancels nothing, with the middleware (the token stays quiet) or without."""
     server = deploy(framework, UVICORN_HTTPTOOLS)[middleware]
@@ -227,9 +191,7 @@ def test_background_task_survives(
 @pytest.mark.parametrize(
     ("framework", "spec"), DEPLOYMENTS, ids=[f"{f}-{s}" for f, s in DEPLOYMENTS]
 )
-def test_client_that_stays(
-    deploy: Callable[[str, ServerSpec], Deployment], framework: str, spec: ServerSpec
-) -> None:
+def test_client_that_stays(deploy: Deploy, framework: str, spec: ServerSpec) -> None:
     """A request nobody leaves: status, headers and body are the same with and without the
     middleware, and a short slow request completes, cancelled by nothing."""
     server = deploy(framework, spec)

@@ -1,4 +1,5 @@
-"""The one app module the real-server tests serve: one route table, and the apps built on it.
+"""The app module the real-server tests serve: one route table, and the apps built on it
+(the websocket routes are in ws_apps.py).
 
 Every endpoint runs on asyncio and trio servers alike (`/hold`, `/queued`, `/digest` and
 `/stats`: asyncio only) and records what happens to it (`events.record`), keyed by the `id`

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+
 from .client import (
     CHUNK_MARKER,
     FIN,
     HALF,
     close,
     connect,
+    get,
     read_head,
     read_to_eof,
     recv_some,
@@ -20,6 +24,9 @@ from .runner import Server
 # Watchdogs, not bounds: a disconnect is expected in milliseconds, the limits only stop a hang.
 WATCHDOG = 5.0
 CANCELLED_EXCEPTIONS = ("CancelledError", "Cancelled")
+SETTLE = 10.0  # for what is still running after a test to end
+PROBE_MEDIAN = 0.1  # a probe on another connection is answered at once
+LOG_ALARMS = ("Traceback", "ERROR", "Exception in")
 
 
 def leave(
@@ -89,3 +96,24 @@ def assert_not_cancelled(server: Server, rid: str, *, finished: str) -> Event:
     assert not server.events.of(rid, "hook")
     server.assert_no_traceback()
     return finished_event
+
+
+def assert_settled(server: Server, running: str = "/inflight") -> None:
+    """Nothing is left running (`running` answers how many requests or sessions are), and a
+    probe on another connection is answered at once (the median of three)."""
+    deadline = time.monotonic() + SETTLE
+    while get(server.port, running).body != b"0":
+        assert time.monotonic() < deadline, f"{running}: still running after {SETTLE} s"
+        time.sleep(0.05)
+    probes = []
+    for _ in range(3):
+        started = time.monotonic()
+        assert get(server.port, "/hello").body == b"hello"
+        probes.append(time.monotonic() - started)
+    assert statistics.median(probes) < PROBE_MEDIAN, probes
+
+
+def assert_quiet(server: Server, log: str) -> None:
+    """`log` (what the server wrote during a test) has no error and no traceback."""
+    for word in LOG_ALARMS:
+        assert word not in log, f"{server.spec} logged {word!r}:\n{log[-3000:]}"

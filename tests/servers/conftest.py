@@ -1,3 +1,13 @@
-"""Collect the cancel latencies the tests measure (tests/servers/latency.py)."""
+"""Collect what the real-server tests measure: cancel latencies (tests/servers/latency.py) and
+websocket deliveries (tests/servers/delivery.py)."""
 
-from .latency import register as pytest_configure  # noqa: F401  (a hook, by its name)
+from __future__ import annotations
+
+import pytest
+
+from . import delivery, latency
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    latency.register(config)
+    delivery.register(config)

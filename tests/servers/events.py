@@ -32,6 +32,7 @@ EVENTS_ENV = "ASGI_CANCEL_EVENTS"
 NO_ID = "-"
 # What the apps (tests/servers/apps.py) and the tests that check them both need to know.
 BIG_READ_AHEAD = 1024 * 1024  # `big_app`'s read_ahead
+WS_READ_AHEAD = 32 * 1024  # the websocket apps' (tests/servers/ws_apps.py) read_ahead
 CLEANUP = 0.2  # seconds of cleanup in the metrics app's cancelled endpoints
 
 
@@ -99,6 +100,7 @@ def record_hook(request: CancelledRequest) -> None:
         reason=request.reason,
         elapsed=request.elapsed,
         response_started=request.response_started,
+        close_code=request.close_code,
     )
 
 
@@ -106,7 +108,7 @@ def recording_exit(app: ASGIApp) -> ASGIApp:
     """Record how the whole app (middleware included) ended: the server sees exactly this."""
 
     async def app_with_exit_record(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await app(scope, receive, send)
             return
         rid = request_id(scope)

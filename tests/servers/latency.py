@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 LATENCY_LOG_ENV = "ASGI_CANCEL_LATENCY_LOG"
-CLOSE_ORDER = ["fin", "rst", "half", "rst-stream", "conn-fin"]
+CLOSE_ORDER = ["fin", "rst", "half", "rst-stream", "conn-fin", "close1000", "close4001"]
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    from uvicorn.config import WS_PROTOCOLS as UVICORN_WS
+except ImportError:  # the servers extra is not installed: the suite says so when it runs
+    UVICORN_WS = {}
+
 from .client import HOST, get
 from .events import EVENTS_ENV, EventLog
 from .process import free_port
@@ -101,6 +106,23 @@ GUNICORN_H2 = ServerSpec(
 )
 HTTP1_SERVERS = (
     UVICORN_HTTPTOOLS, UVICORN_H11, HYPERCORN_ASYNCIO, HYPERCORN_TRIO, DAPHNE, GRANIAN, GUNICORN,
+)  # fmt: skip
+# Websockets: each of uvicorn's three implementations (`--ws websockets` is the legacy protocol
+# of the `websockets` library; `websockets-sansio` from uvicorn 0.35), and granian with them on.
+UVICORN_WEBSOCKETS = ServerSpec("uvicorn-websockets", command(*UVICORN_ARGS, "--ws", "websockets"))
+UVICORN_WEBSOCKETS_SANSIO = ServerSpec(
+    "uvicorn-websockets-sansio", command(*UVICORN_ARGS, "--ws", "websockets-sansio")
+)
+UVICORN_WSPROTO = ServerSpec("uvicorn-wsproto", command(*UVICORN_ARGS, "--ws", "wsproto"))
+GRANIAN_WS = ServerSpec(
+    "granian",
+    command("granian", "--interface", "asgi", "--host", "{host}", "--port", "{port}",
+            "--workers", "1", "{target}"),
+)  # fmt: skip
+WS_SERVERS = (
+    UVICORN_WEBSOCKETS,
+    *([UVICORN_WEBSOCKETS_SANSIO] if "websockets-sansio" in UVICORN_WS else []),
+    UVICORN_WSPROTO, HYPERCORN_ASYNCIO, HYPERCORN_TRIO, DAPHNE, GRANIAN_WS,
 )  # fmt: skip
 
 

@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import re
 import socket
-import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .client import CHUNK_MARKER, connect, get, read_head, recv_some, send_request
+from .checks import assert_quiet, assert_settled
+from .client import CHUNK_MARKER, connect, read_head, recv_some, send_request
 from .runner import HTTP1_SERVERS, Server, ServerSpec, running_server
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
 
 PREFIXES = ("bare", "wrapped")
-PROBE_MEDIAN = 0.1
-SETTLE = 10.0
 # Errors of a server's own, seen on the bare route too, that the log check forgives (the whole
 # traceback, and the line that announces it, must end in the signature).
 SERVER_BUGS = {
@@ -57,19 +55,8 @@ def quiet_and_settled(server: Server) -> Iterator[None]:
     """After each test: nothing left running, the server answers at once, its log is clean."""
     logged = len(server.log())
     yield
-    deadline = time.monotonic() + SETTLE
-    while get(server.port, "/inflight").body != b"0":
-        assert time.monotonic() < deadline, "a request is still running"
-        time.sleep(0.05)
-    probes = []
-    for _ in range(3):
-        started = time.monotonic()
-        assert get(server.port, "/hello").body == b"hello"
-        probes.append(time.monotonic() - started)
-    assert statistics.median(probes) < PROBE_MEDIAN, probes
-    new = without_server_bugs(server, server.log()[logged:])
-    for word in ("Traceback", "ERROR", "Exception in"):
-        assert word not in new, f"{server.spec} logged {word!r}:\n{new[-3000:]}"
+    assert_settled(server)
+    assert_quiet(server, without_server_bugs(server, server.log()[logged:]))
 
 
 def without_server_bugs(server: Server, log: str) -> str:
