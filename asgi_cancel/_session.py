@@ -11,9 +11,10 @@ and stops the session through its `CancelScope`.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from time import monotonic
 from typing import Any, Generic, TypeVar
 
@@ -31,6 +32,11 @@ __all__ = ["MESSAGE_COST", "Session"]
 # messages is bounded too.
 MESSAGE_COST = 100
 
+# What a server's send raises once the client has gone: an OSError (ASGI 2.4; uvicorn's
+# ClientDisconnected), or, on daphne, autobahn's `Disconnected` (a RuntimeError).
+_DAPHNE_GONE = ("autobahn.exception", "Disconnected")
+
+logger = logging.getLogger("asgi_cancel")
 _MAKING = threading.Lock()
 L = TypeVar("L", bound=Lane)
 
@@ -59,6 +65,7 @@ class Session(Generic[L]):
         "bound",
         "buffer",
         "buffered",
+        "closing",
         "disconnect",
         "lane",
         "make_lane",
@@ -69,7 +76,6 @@ class Session(Generic[L]):
         "real_send",
         "scope",
         "started_at",
-        "stopped",
         "stopped_with",
     )
 
@@ -93,8 +99,8 @@ class Session(Generic[L]):
         self.app_task: Any = None
         self.phase = HANDSHAKE
         self.disconnect: Message | None = None  # the client's, or ours once stopped
-        self.stopped = False  # by `stop()`: the client may be there still
         self.stopped_with: int | None = None  # set once the session stopped
+        self.closing: Message | None = None  # what `complete()` sends the server, if anything
         self.buffer: deque[Message] = deque()  # read ahead, not yet taken by the app
         self.buffered = 0  # what `buffer` counts against `read_ahead`
         self.reading = False  # the watcher waits in the server's receive()
@@ -155,16 +161,26 @@ class Session(Generic[L]):
         finally:
             self.app_waiting -= 1
 
-    def send(self, message: Message) -> Awaitable[None]:
-        if self.phase is STOPPED or self.phase is FINISHED:
+    async def send(self, message: Message) -> None:
+        phase = self.phase
+        if phase is STOPPED or phase is FINISHED:
             # The client is gone, or gets our close: dropped, as the HTTP cycle drops sends.
-            return _dropped()
+            return
         message_type = message["type"]
         if message_type == "websocket.accept":
             self.phase = OPEN
         elif message_type == "websocket.close" or message_type == "websocket.http.response.start":
             self.phase = CLOSED  # the app ended the session (or refused it)
-        return self.real_send(message)
+        try:
+            await self.real_send(message)
+        except Exception as exc:
+            # The server may tell of a client gone by failing a send before its receive()
+            # hands the watcher the disconnect: the token fires all the same (an engine it
+            # aborts would otherwise generate for nobody); the app gets the error, as it came.
+            if self.disconnect is None and self.phase is not CLOSED and _client_gone(exc):
+                self.phase = phase  # (an accept that failed accepted nothing)
+                self._stop(REASON, None, cancel=False)
+            raise
 
     # -- what the watcher hands over ---------------------------------------------------------------
     def read_ahead_full(self) -> bool:
@@ -180,8 +196,12 @@ class Session(Generic[L]):
         """The client left (`websocket.disconnect`, with its code): stop the session unless
         the app had closed it."""
         self.disconnect = message
+        if self.phase is HANDSHAKE:
+            # Cancelled before it answered the handshake: the server still waits for an answer
+            # (uvicorn's `--ws websockets` logs an ERROR without one).
+            self.closing = {"type": "websocket.close", "code": 1000, "reason": ""}
         if self.phase is HANDSHAKE or self.phase is OPEN:
-            self._stop(REASON, message.get("code"), stopped=False)
+            self._stop(REASON, message.get("code"))
         self.ensure_lane().wake()
 
     def stop(self, reason: str, status: int) -> bool:
@@ -194,17 +214,19 @@ class Session(Generic[L]):
             return False
         code = WEBSOCKET_CLOSE_CODES + status
         self.disconnect = {"type": "websocket.disconnect", "code": code, "reason": reason}
+        self.closing = {"type": "websocket.close", "code": code, "reason": reason}
         self._stop(reason, code, stopped=True)
         self.ensure_lane().wake()
         return True
 
-    def _stop(self, reason: str, code: int | None, *, stopped: bool) -> None:
+    def _stop(
+        self, reason: str, code: int | None, *, stopped: bool = False, cancel: bool = True
+    ) -> None:
         # The app is listening itself when it waits in receive() with nothing read ahead:
         # it gets the disconnect first, and `grace` to end by itself.
         listening = self.app_waiting > len(self.buffer)
         accepted = self.phase is OPEN
         self.phase = STOPPED
-        self.stopped = stopped
         self.stopped_with = code if code is not None else DISCONNECTED_STATUS
         scope = self.cancel_scope
         scope.fire(reason)
@@ -217,7 +239,8 @@ class Session(Generic[L]):
             close_code=code,
         )
         report_cancelled(request, scope, None if stopped else code, self.options.on_cancelled)
-        scope.cancel_app(listening=listening)
+        if cancel:
+            scope.cancel_app(listening=listening)
 
     def finished(self) -> None:
         """The app returned (or raised): the session's one end."""
@@ -232,11 +255,14 @@ class Session(Generic[L]):
 
     async def complete(self, send: Send) -> None:
         """The app of a stopped session has ended: a client still connected gets the close
-        frame (code: the stop's status), or, before the handshake, the close that refuses it
-        (a 403)."""
-        if self.stopped:
-            reason = self.cancel_scope.reason or ""
-            await send({"type": "websocket.close", "code": self.stopped_with, "reason": reason})
+        frame (code: the stop's status); a handshake the app did not answer gets the close that
+        refuses it (the server's 403, or nothing once the client has gone). A server may refuse
+        a send to a closed connection: logged at DEBUG, never raised."""
+        if self.closing is not None:
+            try:
+                await send(self.closing)
+            except Exception:
+                logger.debug("closing a cancelled websocket session failed", exc_info=True)
 
 
 def _cost(message: Message) -> int:
@@ -244,5 +270,9 @@ def _cost(message: Message) -> int:
     return MESSAGE_COST + len(payload)
 
 
-async def _dropped() -> None:
-    pass
+def _client_gone(exc: Exception) -> bool:
+    """Whether a server's send raised `exc` because the client has gone."""
+    if isinstance(exc, OSError):
+        return True
+    module, name = _DAPHNE_GONE
+    return type(exc).__module__ == module and type(exc).__name__ == name
