@@ -117,6 +117,19 @@ class Node:
         self.loop.close()
 
 
+def cancel_running(holder: Node, canceller: Node, request_id: str) -> None:
+    """A request on `holder`, cancelled through `canceller`: held, and answered 499."""
+    request = holder.start_request(request_id)
+    holder.wait_registered(request_id)
+    assert canceller.acancel(request_id)[0] is True
+    assert request.result(WATCHDOG).status == 499
+
+
+def wait_connected(nodes: tuple[Node, ...], connected: bool = True) -> None:
+    for node in nodes:
+        node.wait_connected(connected)
+
+
 @pytest.fixture
 def redis(tmp_path: Path) -> Iterator[RedisServer]:
     with running_redis(tmp_path) as server:
@@ -126,8 +139,7 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture
 def nodes(redis: RedisServer) -> Iterator[list[Node]]:
     made = [Node(redis.url, name) for name in ("a", "b", "c")]
-    for node in made:
-        node.wait_connected()
+    wait_connected(tuple(made))
     yield made
     for node in made:
         node.close()
@@ -206,11 +218,7 @@ def test_redis_unreachable_at_start_keeps_local_cancels_working(
     try:
         time.sleep(0.5)  # a few reconnect attempts
         assert node.broker.connected is False
-        request = node.start_request("local")
-        node.wait_registered("local")
-        held, took = node.acancel("local")
-        assert held is True
-        assert request.result(WATCHDOG).status == 499
+        cancel_running(node, node, "local")
         held, took = node.acancel("unknown")
         assert held is False
         assert took < 0.1  # Redis away: no waiting for answers that cannot come
@@ -230,24 +238,15 @@ def test_redis_killed_then_restarted_cancels_reach_across_again(
     redis.start()
     a, b = Node(redis.url, "a"), Node(redis.url, "b")
     try:
-        a.wait_connected()
-        b.wait_connected()
+        wait_connected((a, b))
         redis.stop()  # killed mid-run
-        a.wait_connected(False)
-        b.wait_connected(False)
-        request = b.start_request("during-outage")  # requests still run and are cancellable
-        b.wait_registered("during-outage")
-        assert b.acancel("during-outage")[0] is True
-        assert request.result(WATCHDOG).status == 499
+        wait_connected((a, b), False)
+        cancel_running(b, b, "during-outage")  # requests still run and are cancellable
         assert a.acancel("elsewhere")[0] is False  # remote: not reachable, answered at once
         redis = RedisServer(tmp_path, port=redis.port)
         redis.start()  # restarted: the brokers reconnect by themselves
-        a.wait_connected()
-        b.wait_connected()
-        request = b.start_request("after-restart")
-        b.wait_registered("after-restart")
-        assert a.acancel("after-restart")[0] is True
-        assert request.result(WATCHDOG).status == 499
+        wait_connected((a, b))
+        cancel_running(b, a, "after-restart")
     finally:
         a.close()
         b.close()
@@ -271,12 +270,10 @@ def test_a_frozen_redis_is_noticed_once_cancels_answer_at_once_then_work_again(
     a = Node(redis.url, "a", wait=5.0, health_timeout=HEALTH)
     b = Node(redis.url, "b", wait=5.0, health_timeout=HEALTH)
     try:
-        a.wait_connected()
-        b.wait_connected()
+        wait_connected((a, b))
         with redis.frozen(at_most=FREEZE):
             frozen_at = time.monotonic()
-            a.wait_connected(False)
-            b.wait_connected(False)
+            wait_connected((a, b), False)
             noticed = time.monotonic() - frozen_at
             request = b.start_request("during-freeze")
             b.wait_registered("during-freeze")
@@ -288,12 +285,8 @@ def test_a_frozen_redis_is_noticed_once_cancels_answer_at_once_then_work_again(
             assert b.acancel("during-freeze")[0] is True  # local cancels work
             assert request.result(WATCHDOG).status == 499
             assert time.monotonic() - frozen_at < FREEZE  # all of the above while frozen
-        a.wait_connected()
-        b.wait_connected()
-        request = b.start_request("after-freeze")
-        b.wait_registered("after-freeze")
-        assert a.acancel("after-freeze")[0] is True  # across again
-        assert request.result(WATCHDOG).status == 499
+        wait_connected((a, b))
+        cancel_running(b, a, "after-freeze")  # across again
         assert a.endpoint_cancel("nobody") == (404, {"id": "nobody", "cancelled": False})
     finally:
         a.close()
@@ -321,8 +314,7 @@ def test_a_busy_redis_is_not_taken_as_away(
             Node(redis.url, "b", health_timeout=HEALTH),
         )
         try:
-            a.wait_connected()
-            b.wait_connected()
+            wait_connected((a, b))
             busy_for = int(2 * HEALTH * 1_000_000)  # microseconds
             script = (
                 "local t = redis.call('TIME') while true do local n = redis.call('TIME') "
@@ -341,10 +333,7 @@ def test_a_busy_redis_is_not_taken_as_away(
                         break
                     except TimeoutError:
                         pass
-            request = b.start_request("after-busy")
-            b.wait_registered("after-busy")
-            assert a.acancel("after-busy")[0] is True
-            assert request.result(WATCHDOG).status == 499
+            cancel_running(b, a, "after-busy")
         finally:
             a.close()
             b.close()

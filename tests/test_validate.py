@@ -32,15 +32,9 @@ def redis_broker(**options: Any) -> object:
 
 # (what makes one, the option, the bounds its message names, a value it takes, ones it refuses)
 OPTIONS: list[tuple[Callable[..., object], str, str, float, list[Any]]] = [
-    (lambda **o: CancelOnDisconnectMiddleware(hello_app, **o), "grace", ">= 0", 0, BAD),
-    (lambda **o: CancelOnDisconnectMiddleware(hello_app, **o), "watch_delay", ">= 0", 0, BAD),
-    (
-        lambda **o: CancelOnDisconnectMiddleware(hello_app, **o),
-        "timeout",
-        "None or",
-        1,
-        [0, *BAD[:-1]],
-    ),
+    (middleware, "grace", ">= 0", 0, BAD),
+    (middleware, "watch_delay", ">= 0", 0, BAD),
+    (middleware, "timeout", "None or", 1, [0, *BAD[:-1]]),
     (CancelRegistry, "remember", ">= 0", 0, BAD),
     (ClientConnection, "body_delay", ">= 0", 0, BAD),
     (redis_broker, "wait", "> 0 and < 60", 1, [0, 60, *BAD]),
