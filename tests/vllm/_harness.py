@@ -160,6 +160,14 @@ def status_of(response: bytes) -> int:
     return int(response.split(b" ", 2)[1])
 
 
+def report(section: str, measured: dict[str, Any]) -> None:
+    """Write `measured` under `section` of the JSON file at $ASGI_CANCEL_VLLM_REPORT, if set."""
+    path = Path(os.environ.get("ASGI_CANCEL_VLLM_REPORT", ""))
+    if path.name:
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps(previous | {section: measured}, indent=2))
+
+
 @contextlib.contextmanager
 def timed(label: str, into: dict[str, float]) -> Iterator[None]:
     start = time.monotonic()
