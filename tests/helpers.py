@@ -202,6 +202,13 @@ async def serving(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> A
             yield
 
 
+async def served(app: ASGIApp, scope: Scope | None = None) -> ClientConnection:
+    """`app` serving one request for a client that stays (watchdog'd)."""
+    conn = ClientConnection()
+    await with_watchdog(conn.run(app, scope))
+    return conn
+
+
 async def call(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
     await app(scope, receive, send)
 

@@ -18,7 +18,7 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import OpenAIRequestIds
 
-from .helpers import WATCHDOG, respond, until
+from .helpers import WATCHDOG, respond, served, until
 
 pytestmark = pytest.mark.anyio
 
@@ -111,10 +111,7 @@ async def test_outside_a_request_with_an_id_everything_passes_through() -> None:
 
     wrapped = OpenAIRequestIds(app, CancelRegistry())
     for outer in (wrapped, CancelOnDisconnectMiddleware(wrapped)):
-        conn = ClientConnection()
-        with anyio.fail_after(WATCHDOG):
-            await conn.run(outer, http_scope())
-        assert conn.status == 200
+        assert (await served(outer, http_scope())).status == 200
     assert all(type(state) is not dict or state == {} for state in seen)
     assert not any(type(state).__name__ == "_AliasingState" for state in seen)
 

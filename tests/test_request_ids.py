@@ -16,6 +16,7 @@ from asgi_cancel._token import current_request
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
+from . import helpers
 from .helpers import WATCHDOG, noting_cancellation, respond, running, slow_app, until
 
 pytestmark = pytest.mark.anyio
@@ -39,10 +40,7 @@ async def answer_with_the_id(scope: Scope, receive: Receive, send: Send) -> None
 
 
 async def served(app: ASGIApp, scope: Scope, **options: Any) -> ClientConnection:
-    conn = ClientConnection()
-    with anyio.fail_after(WATCHDOG):
-        await conn.run(CancelOnDisconnectMiddleware(app, **options), scope)
-    return conn
+    return await helpers.served(CancelOnDisconnectMiddleware(app, **options), scope)
 
 
 @pytest.mark.parametrize(

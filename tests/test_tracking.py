@@ -12,7 +12,6 @@ import logging
 import time
 from typing import Any
 
-import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -23,8 +22,9 @@ from asgi_cancel._tracking import MAX_BUDGET, parse_duration, route_path
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
+from .helpers import served
+
 pytestmark = pytest.mark.anyio
-WATCHDOG = 5.0
 # httptools accepts a header value this long; h11 and hypercorn cap lower.
 HEADER_LIMIT = 1024 * 1024
 
@@ -37,10 +37,7 @@ async def answer_with_the_token(scope: Scope, receive: Receive, send: Send) -> N
 
 
 async def run(scope: Scope, **options: Any) -> ClientConnection:
-    conn = ClientConnection()
-    with anyio.fail_after(WATCHDOG):
-        await conn.run(CancelOnDisconnectMiddleware(answer_with_the_token, **options), scope)
-    return conn
+    return await served(CancelOnDisconnectMiddleware(answer_with_the_token, **options), scope)
 
 
 # -- budgets ------------------------------------------------------------------------------------

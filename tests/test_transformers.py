@@ -24,9 +24,7 @@ from asgi_cancel.testing import ClientConnection
 from asgi_cancel.transformers import CancelCriteria, generate_in_thread
 from asgi_cancel.types import Receive, Scope, Send
 
-from .helpers import leave, read_body, respond
-
-WATCHDOG = 5.0
+from .helpers import WATCHDOG, leave, read_body, respond
 
 
 class FakeBools(list[bool]):
