@@ -122,12 +122,11 @@ def test_stream_ends_at_once_and_closes_the_generation() -> None:
     assert log[-2:] == ["chunk 3", "closed"]  # no chunk was made after the cancel
 
 
-def test_stream_passes_everything_through_when_not_cancelled() -> None:
-    token = CancelToken()
-    assert list(stream(iter(range(5)), token=token)) == [0, 1, 2, 3, 4]
-
-
-def test_stream_outside_a_request_passes_through() -> None:
+@pytest.mark.parametrize("inside", [True, False], ids=["not-cancelled", "outside-a-request"])
+def test_stream_passes_everything_through_when_not_cancelled(inside: bool) -> None:
+    if inside:
+        assert list(stream(iter(range(5)), token=CancelToken())) == [0, 1, 2, 3, 4]
+        return
     with pytest.warns(RuntimeWarning, match=r"stream\(\) was made outside a request"):
         passed = list(stream(range(3)))
     assert passed == [0, 1, 2]

@@ -409,12 +409,7 @@ def test_a_slow_redis_never_slows_a_request_that_is_not_cancelled(redis: RedisSe
         ({"url": b"redis://127.0.0.1"}, "url"),
         ({"channel": ""}, "channel"),
         ({"channel": "c" * 101}, "channel"),
-        ({"wait": 0}, "wait"),
-        ({"wait": True}, "wait"),
-        ({"connect_timeout": 60}, "connect_timeout"),
-        ({"health_timeout": 0}, "health_timeout"),
-        ({"health_timeout": 60}, "health_timeout"),
-        ({"health_timeout": "10"}, "health_timeout"),
+        # (Those in seconds: test_validate.py.)
     ],
 )
 def test_a_bad_option_is_a_value_error_naming_it(options: dict[str, Any], named: str) -> None:

@@ -430,11 +430,7 @@ def test_stopping_criteria_given_are_kept_and_not_changed() -> None:
     assert len(calls) == 7
 
 
-def test_generate_in_thread_checks_its_options() -> None:
-    bad_values: tuple[Any, ...] = (-1, float("nan"), float("inf"), True, "5", None)
-    for bad in bad_values:  # NaN was taken, and broke Thread.join once the body was sent
-        with pytest.raises(ValueError, match="join_timeout must be a finite number of seconds"):
-            generate_in_thread(FakeModel().generate, token=CancelToken(), join_timeout=bad)
+def test_generate_in_thread_checks_its_options() -> None:  # join_timeout: test_validate.py
     generation = generate_in_thread(
         FakeModel(step=0).generate, token=CancelToken(), max_new_tokens=1
     )
