@@ -17,104 +17,23 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, cancel_endpoint
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
 from asgi_cancel.redis import RedisBroker
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
+from .helpers import Node
 from .redis_server import RedisServer, running_redis
 from .servers.process import free_port
 
 WATCHDOG = 10.0
 HEALTH = 1.5  # health_timeout where Redis freezes or is busy: a freeze is noticed within 2 s
 FREEZE = 8.0  # a frozen Redis is resumed after this at the latest, whatever the test does
-
-
-class Node:
-    """One process of a deployment: an event loop in a thread, a registry, a broker."""
-
-    def __init__(
-        self, url: str, name: str, *, wait: float = 1.0, health_timeout: float = 10.0
-    ) -> None:
-        self.name = name
-        self.broker = RedisBroker(
-            url, wait=wait, connect_timeout=0.3, health_timeout=health_timeout
-        )
-        self.registry = CancelRegistry(broker=self.broker, remember=2.0)
-        self.events: list[str] = []
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.run(self._start())
-
-    async def _start(self) -> None:
-        self.registry.started()
-
-    def run(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(WATCHDOG)
-
-    def wait_connected(self, connected: bool = True) -> None:
-        deadline = time.monotonic() + WATCHDOG
-        while self.broker.connected is not connected:
-            assert time.monotonic() < deadline, f"{self.name}: broker connected != {connected}"
-            time.sleep(0.01)
-
-    def start_request(self, request_id: str, alias: str | None = None) -> Future[ClientConnection]:
-        """A request with `request_id` (and `alias`, if given) that sleeps until cancelled (its
-        app records how)."""
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if alias is not None:
-                assert self.registry.alias(alias)
-            self.events.append(f"{request_id} started")
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                self.events.append(f"{request_id} cancelled")
-                raise
-
-        async def serve() -> ClientConnection:
-            conn = ClientConnection()
-            scope = http_scope(headers=[(b"x-request-id", request_id.encode())])
-            middleware = CancelOnDisconnectMiddleware(app, registry=self.registry)
-            await asyncio.wait_for(conn.run(middleware, scope), WATCHDOG)
-            return conn
-
-        return asyncio.run_coroutine_threadsafe(serve(), self.loop)
-
-    def wait_registered(self, request_id: str) -> None:
-        deadline = time.monotonic() + WATCHDOG
-        while request_id not in self.registry:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-
-    def acancel(self, request_id: str) -> tuple[bool, float]:
-        started = time.perf_counter()
-        held = self.run(self.registry.acancel(request_id))
-        return held, time.perf_counter() - started
-
-    def endpoint_cancel(self, request_id: str) -> tuple[int | None, object]:
-        """DELETE /{id} on this process's cancel endpoint: (status, the JSON answer)."""
-
-        async def ask() -> tuple[int | None, object]:
-            conn = ClientConnection()
-            endpoint = cancel_endpoint(self.registry, authorize=None)
-            await asyncio.wait_for(conn.run(endpoint, http_scope("DELETE", f"/{request_id}")), 5)
-            return conn.status, json.loads(conn.body)
-
-        return self.run(ask())  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        self.run(self.broker.aclose())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(WATCHDOG)
-        self.loop.close()
 
 
 def cancel_running(holder: Node, canceller: Node, request_id: str) -> None:
