@@ -68,12 +68,14 @@ def slow_app(
     read: bool = True,
     stream: bool = False,
     callback: bool = False,
+    first: Callable[[], object] = lambda: None,
 ) -> ASGIApp:
-    """Reads the body (or not), maybe starts a stream, sleeps, then responds; records
-    `body:<body>`, `callback:<reason>` (an `on_cancel` callback, with `callback=True`) and how
-    it ended: `cancelled` or `finished`."""
+    """Calls `first()`, reads the body (or not), maybe starts a stream, sleeps, then responds;
+    records `body:<body>`, `callback:<reason>` (an `on_cancel` callback, with `callback=True`)
+    and how it ended: `cancelled` or `finished`."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        first()
         if callback:
             token = current_token()
             token.on_cancel(lambda: events.append(f"callback:{token.reason}"))
@@ -188,10 +190,12 @@ async def leave(
 
 
 @contextlib.asynccontextmanager
-async def running(app: ASGIApp, scope: Scope | None = None) -> AsyncIterator[ClientConnection]:
-    """`app` serving one request for a client that stays while the block runs; the block's end
-    waits for the app (watchdog'd)."""
-    conn = ClientConnection()
+async def running(
+    app: ASGIApp, scope: Scope | None = None, conn: ClientConnection | None = None
+) -> AsyncIterator[ClientConnection]:
+    """`app` serving one request for a client (`conn`, a fresh one by default) that stays while
+    the block runs; the block's end waits for the app (watchdog'd)."""
+    conn = conn if conn is not None else ClientConnection()
     with anyio.fail_after(WATCHDOG):
         async with anyio.create_task_group() as group:
             group.start_soon(conn.run, app, scope)

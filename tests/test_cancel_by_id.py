@@ -31,13 +31,8 @@ def with_id(request_id: str, path: str = "/") -> Scope:
 
 def tracked_app(events: list[str], *, stream: bool = False) -> ASGIApp:
     """Records its id, then sleeps (or streams) until cancelled, as `slow_app` records."""
-    inner = slow_app(events, stream=stream, callback=True)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        events.append(f"id:{current_token().request_id}")
-        await inner(scope, receive, send)
-
-    return app
+    record_id = lambda: events.append(f"id:{current_token().request_id}")  # noqa: E731
+    return slow_app(events, stream=stream, callback=True, first=record_id)
 
 
 @pytest.mark.parametrize("from_thread", [False, True], ids=["in-the-loop", "from-a-thread"])

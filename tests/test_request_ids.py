@@ -150,14 +150,9 @@ async def test_the_middlewares_own_answers_carry_the_id() -> None:
 # -- aliases ------------------------------------------------------------------------------------
 def aliasing_app(events: list[str], registry: CancelRegistry, alias: str | None) -> ASGIApp:
     """Names itself `alias` too (as vLLM's adapter does), then sleeps until cancelled."""
-    inner = slow_app(events)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if alias is not None:
-            events.append(f"aliased:{registry.alias(alias)}")
-        await inner(scope, receive, send)
-
-    return app
+    if alias is None:
+        return slow_app(events)
+    return slow_app(events, first=lambda: events.append(f"aliased:{registry.alias(alias)}"))
 
 
 @pytest.mark.parametrize("aliased", [True, False], ids=["aliased", "control-no-alias"])
