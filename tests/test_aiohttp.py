@@ -17,7 +17,7 @@ from asgi_cancel.aiohttp import UpstreamCancelled, cancel_trace_config
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import WATCHDOG, until
+from .helpers import WATCHDOG, respond, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyncio"])]
 
@@ -154,8 +154,7 @@ async def call_once(
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         async with client.get(f"http://127.0.0.1:{upstream.port}/slow", headers=copied) as answer:
             await answer.read()
-        await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+        await respond(send, b"", 204)
 
     conn = ClientConnection()
     scope = http_scope(headers=[(b"x-request-id", b"fw"), (b"x-request-timeout", b"20s")])

@@ -19,7 +19,7 @@ from asgi_cancel.httpx import CancelTransport, UpstreamCancelled
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
-from .helpers import WATCHDOG, until
+from .helpers import WATCHDOG, respond, until
 
 pytestmark = pytest.mark.anyio
 
@@ -127,8 +127,7 @@ async def forwarded_headers(
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         response = await client.get(url, headers={"x-other": "1", **(copied or {})})
         await response.aclose()
-        await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+        await respond(send, b"", 204)
 
     middleware = CancelOnDisconnectMiddleware(
         app, registry=CancelRegistry(), timeout_header="x-request-timeout"

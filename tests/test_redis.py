@@ -27,7 +27,7 @@ from asgi_cancel.redis import RedisBroker
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
-from .helpers import Node
+from .helpers import Node, respond
 from .redis_server import RedisServer, running_redis
 from .servers.process import free_port
 
@@ -300,8 +300,7 @@ def test_a_slow_redis_never_slows_a_request_that_is_not_cancelled(redis: RedisSe
 
         async def hello(scope: Scope, receive: Receive, send: Send) -> None:
             await asyncio.sleep(0.001)
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"ok"})
+            await respond(send, b"ok")
 
         async def serve_many() -> float:
             middleware = CancelOnDisconnectMiddleware(hello, registry=node.registry)
