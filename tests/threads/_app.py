@@ -28,7 +28,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, cancel_end
 from asgi_cancel.transformers import CancelCriteria, generate_in_thread
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from ..vllm._harness import free_port
+from ..vllm._harness import free_port, watch
 
 # transformers has no type hints mypy can read here (and is not the main venv's).
 transformers: Any = importlib.import_module("transformers")
@@ -100,25 +100,10 @@ def build_app(engine: Engine) -> ASGIApp:
     """`/{bare,middleware,mw}/<route>`; POST a JSON body `{"id", "prompt", "max_new_tokens"}`."""
     api = FastAPI()
 
-    def watch(request_id: str) -> None:
-        token = current_token()
-        token.on_cancel(lambda: engine.fired.__setitem__(request_id, time.monotonic()))
-
-        def record() -> None:
-            usage = token.usage
-            if usage is not None:
-                engine.usage[request_id] = (
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                    usage.after_cancel,
-                )
-
-        token.on_finished(record)
-
     def add_routes(prefix: str, adapter: bool) -> None:
         def arguments(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             if prefix != "/bare":
-                watch(body["id"])
+                watch(current_token(), body["id"], engine.fired, engine.usage)
             return body["id"], {
                 **engine.inputs(body["prompt"]),
                 "max_new_tokens": body["max_new_tokens"],
