@@ -34,14 +34,15 @@ pytestmark = [
 CHUNKS = 200  # what a stream makes if nobody stops it
 
 
-async def read_one_chunk_and_leave(app: AnyASGIApp, transport: type) -> None:
+async def read_one_chunk_and_leave(app: AnyASGIApp, transport: type, path: str = "/") -> None:
     with anyio.fail_after(10):
-        async with client(transport(app)) as http, http.stream("GET", "/") as response:
+        async with client(transport(app)) as http, http.stream("GET", path) as response:
             async for _ in response.aiter_raw():
                 break
 
 
-def fastapi_app(events: list[str], delay: float) -> FastAPI:
+def fastapi_app(events: list[str], delay: float = 30) -> FastAPI:
+    """`/`: a slow endpoint, `/stream`: a stream, each with a yield dependency."""
     api = FastAPI()
 
     async def session() -> AsyncIterator[str]:
@@ -59,6 +60,19 @@ def fastapi_app(events: list[str], delay: float) -> FastAPI:
             raise
         events.append("endpoint done")
         return {"db": db}
+
+    @api.get("/stream", dependencies=[Depends(session)])
+    async def stream() -> StreamingResponse:
+        async def tokens() -> AsyncIterator[bytes]:
+            try:
+                for _ in range(CHUNKS):
+                    yield b"token "
+                    await anyio.sleep(0.001)
+                events.append("all tokens")
+            finally:
+                events.append("generator ended")
+
+        return StreamingResponse(tokens())
 
     return api
 
@@ -81,37 +95,12 @@ async def test_fastapi_yield_dependency_teardown_runs_when_the_client_times_out(
             assert events == [ended, "teardown"]
 
 
-def fastapi_stream_app(events: list[str]) -> FastAPI:
-    api = FastAPI()
-
-    async def session() -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            events.append("teardown")
-
-    @api.get("/", dependencies=[Depends(session)])
-    async def stream() -> StreamingResponse:
-        async def tokens() -> AsyncIterator[bytes]:
-            try:
-                for _ in range(CHUNKS):
-                    yield b"token "
-                    await anyio.sleep(0.001)
-                events.append("all tokens")
-            finally:
-                events.append("generator ended")
-
-        return StreamingResponse(tokens())
-
-    return api
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
 async def test_fastapi_stream_with_a_yield_dependency_stops_when_the_client_leaves(
     transport: type,
 ) -> None:
     events: list[str] = []
-    await read_one_chunk_and_leave(fastapi_stream_app(events), transport)
+    await read_one_chunk_and_leave(fastapi_app(events), transport, "/stream")
     # The teardown's place differs between FastAPI versions (before the body before 0.118).
     assert "teardown" in events
     if transport is ASGITransport:
