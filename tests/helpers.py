@@ -1,22 +1,28 @@
 """Tiny ASGI apps, server stand-ins and watchdog'd waits shared by the ASGI-level tests.
 
-All loop-agnostic (anyio): the tests that use them run on asyncio and on trio alike.
+All loop-agnostic (anyio), the tests that use them run on asyncio and on trio alike; but
+`Node`, a process of its own: an asyncio loop in a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
+import json
+import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import anyio
 import pytest
 import sniffio
 
-from asgi_cancel import current_token
-from asgi_cancel.testing import ClientConnection
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, cancel_endpoint, current_token
+from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
 WATCHDOG = 5.0
@@ -62,12 +68,14 @@ def slow_app(
     read: bool = True,
     stream: bool = False,
     callback: bool = False,
+    first: Callable[[], object] = lambda: None,
 ) -> ASGIApp:
-    """Reads the body (or not), maybe starts a stream, sleeps, then responds; records
-    `body:<body>`, `callback:<reason>` (an `on_cancel` callback, with `callback=True`) and how
-    it ended: `cancelled` or `finished`."""
+    """Calls `first()`, reads the body (or not), maybe starts a stream, sleeps, then responds;
+    records `body:<body>`, `callback:<reason>` (an `on_cancel` callback, with `callback=True`)
+    and how it ended: `cancelled` or `finished`."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        first()
         if callback:
             token = current_token()
             token.on_cancel(lambda: events.append(f"callback:{token.reason}"))
@@ -182,10 +190,12 @@ async def leave(
 
 
 @contextlib.asynccontextmanager
-async def running(app: ASGIApp, scope: Scope | None = None) -> AsyncIterator[ClientConnection]:
-    """`app` serving one request for a client that stays while the block runs; the block's end
-    waits for the app (watchdog'd)."""
-    conn = ClientConnection()
+async def running(
+    app: ASGIApp, scope: Scope | None = None, conn: ClientConnection | None = None
+) -> AsyncIterator[ClientConnection]:
+    """`app` serving one request for a client (`conn`, a fresh one by default) that stays while
+    the block runs; the block's end waits for the app (watchdog'd)."""
+    conn = conn if conn is not None else ClientConnection()
     with anyio.fail_after(WATCHDOG):
         async with anyio.create_task_group() as group:
             group.start_soon(conn.run, app, scope)
@@ -200,6 +210,13 @@ async def serving(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> A
         async with anyio.create_task_group() as group:
             group.start_soon(call, app, scope, receive, send)
             yield
+
+
+async def served(app: ASGIApp, scope: Scope | None = None) -> ClientConnection:
+    """`app` serving one request for a client that stays (watchdog'd)."""
+    conn = ClientConnection()
+    await with_watchdog(conn.run(app, scope))
+    return conn
 
 
 async def call(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
@@ -227,3 +244,97 @@ def xfail_on(loop: str, request: pytest.FixtureRequest, when: bool = True, *, re
 
 def tasks_alive() -> int:
     return len(anyio.get_running_tasks())
+
+
+NODE_WATCHDOG = 10.0
+
+
+class Node:
+    """One process of a deployment: an asyncio loop in a thread, a registry, and a broker on the
+    Redis at `url` (none without)."""
+
+    def __init__(
+        self, url: str | None, name: str, *, wait: float = 1.0, health_timeout: float = 10.0
+    ) -> None:
+        from asgi_cancel.redis import RedisBroker  # its extra, only where a test asks for a broker
+
+        self.name = name
+        self.broker: Any = None
+        if url is not None:
+            self.broker = RedisBroker(
+                url, wait=wait, connect_timeout=0.3, health_timeout=health_timeout
+            )
+        self.registry = CancelRegistry(broker=self.broker, remember=2.0)
+        self.events: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.run(self._start())
+
+    async def _start(self) -> None:
+        self.registry.started()
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(NODE_WATCHDOG)
+
+    def block(self, seconds: float) -> None:
+        """Keep the loop busy (a long synchronous step) for `seconds`."""
+        self.loop.call_soon_threadsafe(time.sleep, seconds)
+
+    def wait_connected(self, connected: bool = True) -> None:
+        deadline = time.monotonic() + NODE_WATCHDOG
+        while self.broker.connected is not connected:
+            assert time.monotonic() < deadline, f"{self.name}: broker connected != {connected}"
+            time.sleep(0.01)
+
+    def start_request(self, request_id: str, alias: str | None = None) -> Future[ClientConnection]:
+        """A request with `request_id` (and `alias`, if given) that sleeps until cancelled (its
+        app records how)."""
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if alias is not None:
+                assert self.registry.alias(alias)
+            self.events.append(f"{request_id} started")
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.events.append(f"{request_id} cancelled")
+                raise
+
+        async def serve() -> ClientConnection:
+            conn = ClientConnection()
+            scope = http_scope(headers=[(b"x-request-id", request_id.encode())])
+            middleware = CancelOnDisconnectMiddleware(app, registry=self.registry)
+            await asyncio.wait_for(conn.run(middleware, scope), NODE_WATCHDOG)
+            return conn
+
+        return asyncio.run_coroutine_threadsafe(serve(), self.loop)
+
+    def wait_registered(self, request_id: str) -> None:
+        deadline = time.monotonic() + NODE_WATCHDOG
+        while request_id not in self.registry:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    def acancel(self, request_id: str) -> tuple[bool, float]:
+        started = time.perf_counter()
+        held = self.run(self.registry.acancel(request_id))
+        return held, time.perf_counter() - started
+
+    def endpoint_cancel(self, request_id: str) -> tuple[int | None, object]:
+        """DELETE /{id} on this process's cancel endpoint: (status, the JSON answer)."""
+
+        async def ask() -> tuple[int | None, object]:
+            conn = ClientConnection()
+            endpoint = cancel_endpoint(self.registry, authorize=None)
+            await asyncio.wait_for(conn.run(endpoint, http_scope("DELETE", f"/{request_id}")), 5)
+            return conn.status, json.loads(conn.body)
+
+        return self.run(ask())  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self.broker is not None:
+            self.run(self.broker.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(NODE_WATCHDOG)
+        self.loop.close()

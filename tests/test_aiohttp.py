@@ -17,10 +17,9 @@ from asgi_cancel.aiohttp import UpstreamCancelled, cancel_trace_config
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import until
+from .helpers import WATCHDOG, respond, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyncio"])]
-WATCHDOG = 5.0
 
 
 class Upstream:
@@ -155,8 +154,7 @@ async def call_once(
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         async with client.get(f"http://127.0.0.1:{upstream.port}/slow", headers=copied) as answer:
             await answer.read()
-        await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+        await respond(send, b"", 204)
 
     conn = ClientConnection()
     scope = http_scope(headers=[(b"x-request-id", b"fw"), (b"x-request-timeout", b"20s")])
@@ -168,21 +166,20 @@ async def call_once(
     assert conn.status == 204
 
 
-async def test_the_id_and_budget_go_to_the_hosts_configured_and_win(anyio_backend: str) -> None:
+@pytest.mark.parametrize("configured", [True, False], ids=["configured", "nothing-by-default"])
+async def test_the_id_and_budget_go_to_the_hosts_configured_and_win(
+    anyio_backend: str, configured: bool
+) -> None:
     async with Upstream(delay=0) as upstream:
-        copied = {"X-Request-Id": "client-chosen", "X-Request-Timeout": "10m"}
-        await call_once(upstream, copied, forward_to=["127.0.0.1"])
-        assert upstream.header("x-request-id") == "fw"
-        budget = upstream.header("x-request-timeout")
-        assert budget is not None
-        assert 19000 < int(budget.removesuffix("ms")) <= 20000
-
-
-async def test_nothing_is_forwarded_by_default(anyio_backend: str) -> None:
-    async with Upstream(delay=0) as upstream:
-        await call_once(upstream)
-        assert upstream.header("x-request-id") is None
-        assert upstream.header("x-request-timeout") is None
+        if configured:  # over the headers the app copied from its client
+            copied = {"X-Request-Id": "client-chosen", "X-Request-Timeout": "10m"}
+            await call_once(upstream, copied, forward_to=["127.0.0.1"])
+        else:
+            await call_once(upstream)
+    assert upstream.header("x-request-id") == ("fw" if configured else None)
+    budget = upstream.header("x-request-timeout")
+    assert (budget is not None) is configured
+    assert budget is None or 19000 < int(budget.removesuffix("ms")) <= 20000
 
 
 @pytest.mark.parametrize("protect", ["detach", "shield"])

@@ -396,8 +396,7 @@ async def test_with_cancellation_gets_the_disconnect_first_and_nothing_is_orphan
     client leaves (another request, a large batch of engine outputs, a GC pause): the wrapper
     still gets the loop iterations it needs. And on a cancel by id while the client stays: the
     listener, even one that asked the server's receive itself before the watcher started, gets
-    http.disconnect, and the client the 499. (Before, a listener in the server's receive never
-    heard of the stop: after `grace` the wrapper was cancelled and its handler task ran on.)"""
+    http.disconnect, and the client the 499."""
     outcome: dict[str, Any] = {}
     registry = CancelRegistry()
     conn = ClientConnection(b"{}")

@@ -50,17 +50,18 @@ def blocking(entered: threading.Event) -> None:
     time.sleep(0.1)
 
 
-async def test_a_task_waiting_on_a_future_exposes_it_as_fut_waiter(anyio_backend: str) -> None:
-    future = asyncio.get_running_loop().create_future()
-    task = asyncio.get_running_loop().create_task(asyncio.wait_for(future, 5))
-    await asyncio.sleep(0)
-    assert getattr(task, "_fut_waiter", None) is not None, "asyncio.Task._fut_waiter moved"
-    future.set_result(None)
-    await task
+def awaiting(task: asyncio.Task[Any], code: Any, name: str) -> Any:
+    """The coroutine running `code` in the chain `task` awaits (AssertionError naming it)."""
+    awaitable: Any = task.get_coro()
+    while awaitable is not None and getattr(awaitable, "cr_code", None) is not code:
+        awaitable = getattr(awaitable, "cr_await", None)
+    assert awaitable is not None, f"{name} is not in the chain"
+    return awaitable
 
 
 async def test_a_task_is_woken_once_what_it_waits_on_is_done(anyio_backend: str) -> None:
-    # woken() reads `_fut_waiter`: the watcher whose wait is over ends by itself, uncancelled.
+    # woken() reads `_fut_waiter` (asyncio.Task's; missing, the task would count as woken):
+    # the watcher whose wait is over ends by itself, uncancelled.
     loop = asyncio.get_running_loop()
     future: asyncio.Future[None] = loop.create_future()
     task = loop.create_task(asyncio.wait_for(future, None))
@@ -98,11 +99,7 @@ async def test_anyio_worker_threads_are_seen_in_run_sync_in_worker_thread(
         from anyio._backends._asyncio import AsyncIOBackend
 
         code = AsyncIOBackend.run_sync_in_worker_thread.__func__.__code__  # type: ignore[attr-defined]
-        awaitable: Any = task.get_coro()
-        while awaitable is not None and getattr(awaitable, "cr_code", None) is not code:
-            awaitable = getattr(awaitable, "cr_await", None)
-        assert awaitable is not None, "anyio's run_sync_in_worker_thread is not in the chain"
-        local = awaitable.cr_frame.f_locals
+        local = awaiting(task, code, "anyio's run_sync_in_worker_thread").cr_frame.f_locals
         assert {"future", "scope"} <= set(local), f"anyio's worker-thread locals: {set(local)}"
         return thread_future(task, None)
 
@@ -117,11 +114,8 @@ async def test_asgiref_sync_to_async_is_seen_through_its_exec_coro(anyio_backend
         from asgiref.sync import SyncToAsync
 
         code = vars(SyncToAsync)["__call__"].__code__
-        awaitable: Any = task.get_coro()
-        while awaitable is not None and getattr(awaitable, "cr_code", None) is not code:
-            awaitable = getattr(awaitable, "cr_await", None)
-        assert awaitable is not None, "asgiref's SyncToAsync.__call__ is not in the chain"
-        assert "exec_coro" in awaitable.cr_frame.f_locals, "asgiref's exec_coro renamed"
+        local = awaiting(task, code, "asgiref's SyncToAsync.__call__").cr_frame.f_locals
+        assert "exec_coro" in local, "asgiref's exec_coro renamed"
         return thread_future(task, None)
 
     assert await while_running(body, check) is not None

@@ -31,13 +31,8 @@ def with_id(request_id: str, path: str = "/") -> Scope:
 
 def tracked_app(events: list[str], *, stream: bool = False) -> ASGIApp:
     """Records its id, then sleeps (or streams) until cancelled, as `slow_app` records."""
-    inner = slow_app(events, stream=stream, callback=True)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        events.append(f"id:{current_token().request_id}")
-        await inner(scope, receive, send)
-
-    return app
+    record_id = lambda: events.append(f"id:{current_token().request_id}")  # noqa: E731
+    return slow_app(events, stream=stream, callback=True, first=record_id)
 
 
 @pytest.mark.parametrize("from_thread", [False, True], ids=["in-the-loop", "from-a-thread"])
@@ -160,21 +155,20 @@ def test_the_endpoint_secret_must_not_be_empty() -> None:
 
 
 # -- the HTTP endpoint ------------------------------------------------------------------------
-async def call(app: ASGIApp, method: str, path: str, headers: list[Any] | None = None) -> Any:
+async def called(app: ASGIApp, method: str, path: str, headers: Any = ()) -> ClientConnection:
     conn = ClientConnection()
-    scope = http_scope(method, path, headers=headers or [])
+    scope = http_scope(method, path, headers=list(headers))
     scope["root_path"] = "/v1/requests"
     await conn.run(app, scope)
+    return conn
+
+
+async def call(app: ASGIApp, method: str, path: str, headers: Any = ()) -> Any:
+    conn = await called(app, method, path, headers)
     return conn.status, json.loads(conn.body)
 
 
-async def call_for_headers(
-    app: ASGIApp, method: str, path: str, headers: list[Any]
-) -> dict[bytes, bytes]:
-    conn = ClientConnection()
-    scope = http_scope(method, path, headers=headers)
-    scope["root_path"] = "/v1/requests"
-    await conn.run(app, scope)
+def headers_of(conn: ClientConnection) -> dict[bytes, bytes]:
     return {bytes(name): bytes(value) for name, value in conn.sent[0]["headers"]}
 
 
@@ -205,10 +199,11 @@ async def test_the_endpoint_cancels_a_running_request(method: str, path: str) ->
 async def test_the_endpoint_answers_with_the_id_in_the_registry_header() -> None:
     registry = CancelRegistry(header="X-Correlation-Id")
     endpoint = cancel_endpoint(registry, authorize=None)
-    answer = await call_for_headers(endpoint, "DELETE", "/v1/requests/gone-1", [])
-    assert answer[b"x-correlation-id"] == b"gone-1"  # 404, with the id
-    refused = await call_for_headers(endpoint, "DELETE", "/v1/requests/bad%0Aid", [])
-    assert b"x-correlation-id" not in refused  # 400: no id echoed
+    answer = await called(endpoint, "DELETE", "/v1/requests/gone-1")
+    assert (answer.status, headers_of(answer)[b"x-correlation-id"]) == (404, b"gone-1")
+    refused = await called(endpoint, "DELETE", "/v1/requests/bad%0Aid")
+    assert refused.status == 400
+    assert b"x-correlation-id" not in headers_of(refused)  # no id echoed
 
 
 @pytest.mark.parametrize(
@@ -223,10 +218,9 @@ async def test_the_endpoint_answers_with_the_id_in_the_registry_header() -> None
 async def test_the_endpoint_says_which_method_a_path_takes(
     method: str, path: str, allowed: bytes
 ) -> None:
-    endpoint = cancel_endpoint(CancelRegistry(), authorize=None)
-    headers = await call_for_headers(endpoint, method, path, [])
-    assert headers[b"allow"] == allowed
-    assert await call(endpoint, method, path) == (405, {"error": f"use {allowed.decode()}"})
+    conn = await called(cancel_endpoint(CancelRegistry(), authorize=None), method, path)
+    assert headers_of(conn)[b"allow"] == allowed
+    assert (conn.status, json.loads(conn.body)) == (405, {"error": f"use {allowed.decode()}"})
 
 
 async def test_the_endpoint_mounted_alone_serves_the_lifespan_and_no_websocket() -> None:

@@ -41,13 +41,8 @@ from .helpers import (
 pytestmark = pytest.mark.anyio
 
 
-async def noop_send(message: Message) -> None:
-    pass
-
-
 # -- 2. the body (in order, none lost, whenever the app reads it: tests/test_properties.py) ----
 async def test_read_ahead_is_bounded_then_server_backpressure() -> None:
-    """With read_ahead=10 the middleware holds at most one chunk past the limit."""
     server = QueueServer(*({"type": "http.request", "body": b"x" * 8, "more_body": True},) * 50)
     release = anyio.Event()
     got: list[bytes] = []
@@ -96,7 +91,7 @@ async def test_body_read_from_several_tasks_is_complete_and_in_order(read_ahead:
     with anyio.fail_after(WATCHDOG):
         async with anyio.create_task_group() as group:
             group.start_soon(server.feed, chunks, 0.0003)
-            await middleware(http_scope("POST"), server.receive, noop_send)
+            await middleware(http_scope("POST"), server.receive, server.send)
     assert order == chunks
 
 
@@ -117,7 +112,7 @@ async def test_app_receive_timing_out_repeatedly_loses_nothing(read_ahead: int) 
 
     server = QueueServer()
     middleware = CancelOnDisconnectMiddleware(app, read_ahead=read_ahead, grace=0.02)
-    async with serving(middleware, http_scope("POST"), server.receive, noop_send):
+    async with serving(middleware, http_scope("POST"), server.receive, server.send):
         await server.feed(chunks, 0.004)
         await until(lambda: len(got) == len(chunks))
         await anyio.sleep(0.01)
@@ -185,7 +180,7 @@ async def test_body_reader_woken_with_the_last_chunk_is_not_taken_for_a_listener
     server = QueueServer({"type": "http.request", "body": b"a", "more_body": True})
     middleware = CancelOnDisconnectMiddleware(app, grace=5)
     with anyio.fail_after(1.0):  # cancelled at once, not after the 5 s grace
-        async with serving(middleware, http_scope("POST"), server.receive, noop_send):
+        async with serving(middleware, http_scope("POST"), server.receive, server.send):
             await until(lambda: server.receive_calls >= 2)  # the watcher waits; the app parks
             await anyio.sleep(0.005)
             # The client sends its last chunk and closes at once: both arrive together.
@@ -280,7 +275,7 @@ async def test_the_watcher_giving_up_does_not_strand_a_parked_app_receive(server
     fails_at = anyio.current_time() + 0.02
     middleware = CancelOnDisconnectMiddleware(app, watch_delay=0)
     with anyio.fail_after(1.0), pytest.raises(ServerGone) if server == "raises" else nullcontext():
-        await middleware(http_scope(), receive, noop_send)
+        await middleware(http_scope(), receive, QueueServer().send)
     assert got == (["connection reset"] if server == "raises" else ["http.request"])
 
 
@@ -293,11 +288,9 @@ async def test_the_watcher_giving_up_does_not_strand_a_parked_app_receive(server
 async def test_disconnect_cancels_the_app_at_once_and_completes_a_499(
     queued: bool, read: bool, read_ahead: int
 ) -> None:
-    """The app does not listen: it is cancelled at the disconnect, not after a listener's grace
-    (also when the body, never read, and the disconnect wait before it starts, or with no
-    read-ahead for a body the app never reads); the server's receive is never called again
-    (hypercorn would block), and the middleware completes the response for outer middlewares
-    (HTTP/1.1: start and an empty final body, both dropped by a server whose client left)."""
+    """The app does not listen: cancelled at the disconnect, not after a listener's grace; the
+    server's receive never called again (hypercorn would block); the response completed for
+    outer middlewares (HTTP/1.1: dropped by a server whose client left)."""
     events: list[str] = []
     server = QueueServer({"type": "http.request", "body": b"abc", "more_body": False})
     if queued:
@@ -426,11 +419,8 @@ async def test_disconnect_during_the_final_send(returns_after: float | None) -> 
 
 # -- 7. sends dropped after the disconnect ------------------------------------------------------
 async def test_send_after_disconnect_never_reaches_a_server_that_would_hang() -> None:
-    """hypercorn h2 after the TCP connection closed: a body send() hangs forever.
-
-    The app's late response is dropped; the middleware's own 499 (for an outer middleware
-    that waits for a response) is only a response start over HTTP/2, which returns there.
-    """
+    """hypercorn h2 after the TCP connection closed: a body send() hangs forever. The app's late
+    response is dropped; the middleware's 499 is only a response start over HTTP/2."""
     calls: list[Message] = []
     server = QueueServer(REQUEST_DONE)
 

@@ -8,19 +8,12 @@ import anyio
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, current_token
-from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import ASGIApp, Receive, Scope, Send
+from asgi_cancel.testing import http_scope
+from asgi_cancel.types import Receive, Scope, Send
 
-from .helpers import WATCHDOG, respond, slow_app
+from .helpers import respond, served, slow_app
 
 pytestmark = pytest.mark.anyio
-
-
-async def run(app: ASGIApp, scope: Scope | None = None) -> ClientConnection:
-    conn = ClientConnection()
-    with anyio.fail_after(WATCHDOG):
-        await conn.run(app, scope or http_scope())
-    return conn
 
 
 def timed(value: bytes, path: str = "/") -> Scope:
@@ -31,7 +24,7 @@ def timed(value: bytes, path: str = "/") -> Scope:
 async def test_a_passed_deadline_answers_504_or_ends_a_started_stream_cleanly(stream: bool) -> None:
     events: list[str] = []
     app = slow_app(events, stream=stream, callback=True)
-    conn = await run(CancelOnDisconnectMiddleware(app, timeout=0.05))
+    conn = await served(CancelOnDisconnectMiddleware(app, timeout=0.05))
     assert events == ["body:", "callback:deadline exceeded", "cancelled"]
     if stream:
         assert (conn.status, conn.body) == (200, b"x")
@@ -60,7 +53,7 @@ async def test_the_header_sets_the_deadline(
         timeout=configured,
         timeout_header="X-Request-Timeout",
     )
-    conn = await run(app, timed(header))
+    conn = await served(app, timed(header))
     assert conn.status == status
     assert (events != []) is app_runs
     if status == 400:
@@ -82,18 +75,18 @@ async def test_per_route_deadlines_by_prefix_or_callable() -> None:
         app, timeout=0.05, timeouts={"/v1/": 10, "/v1/fast": 0.05, "/stream": None}
     )
     for path in ("/v1/completions", "/v1/fast/x", "/stream", "/other"):  # /other: the default
-        assert (await run(prefixed, http_scope(path=path))).status == expected[path], path
+        assert (await served(prefixed, http_scope(path=path))).status == expected[path], path
         # As uvicorn `--root-path /api` gives it: the prefixes match the path the app routes on.
         rooted = http_scope(path="/api" + path)
         rooted["root_path"] = "/api"
-        assert (await run(prefixed, rooted)).status == expected[path], rooted
+        assert (await served(prefixed, rooted)).status == expected[path], rooted
 
     def timeouts(scope: Scope) -> float | None:
         return 0.05 if scope["path"] == "/short" else None
 
     by_callable = CancelOnDisconnectMiddleware(app, timeouts=timeouts)
     for path in ("/short", "/long"):
-        assert (await run(by_callable, http_scope(path=path))).status == expected[path], path
+        assert (await served(by_callable, http_scope(path=path))).status == expected[path], path
 
 
 async def test_a_request_within_its_deadline_is_untouched() -> None:
@@ -107,7 +100,7 @@ async def test_a_request_within_its_deadline_is_untouched() -> None:
         await respond(send, b"hi")
 
     middleware = CancelOnDisconnectMiddleware(app, timeout=0.3)
-    connections = [await run(middleware, http_scope(path=path)) for path in ("/", "/slow")]
+    connections = [await served(middleware, http_scope(path=path)) for path in ("/", "/slow")]
     await anyio.sleep(0.35)  # nothing fires late
     for conn in connections:
         assert [m["type"] for m in conn.sent] == ["http.response.start", "http.response.body"]
@@ -134,6 +127,6 @@ async def test_an_app_that_reacts_itself_gets_no_second_cancel(watch_delay: floa
             raise
 
     middleware = CancelOnDisconnectMiddleware(app, timeout=0.3, grace=1, watch_delay=watch_delay)
-    conn = await run(middleware)
+    conn = await served(middleware)
     assert events == ["http.disconnect", "cleanup done"]
     assert conn.status == 504

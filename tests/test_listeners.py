@@ -21,10 +21,9 @@ from asgi_cancel import CancelOnDisconnectMiddleware
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
-from .helpers import noting_cancellation
+from .helpers import WATCHDOG, noting_cancellation
 
 pytestmark = pytest.mark.anyio
-WATCHDOG = 5.0
 
 
 class LeftBeforeTheBody(ClientConnection):

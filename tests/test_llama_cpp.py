@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import anyio
@@ -48,35 +49,33 @@ def complete(
     return finish, tokens
 
 
-def test_stops_at_the_token_after_the_cancel_and_counts_what_it_cost() -> None:
+@pytest.mark.parametrize(
+    ("max_tokens", "finish", "generated", "after_cancel"),
+    # At token 10 of 100: the eleventh was sampled, never handed out. At token 8 of 8: between
+    # the last token and llama's closing call, and finish_reason stays.
+    [(100, ("stop", 10), 11, 1), (8, ("length", 8), 8, 0)],
+    ids=["stops-at-the-next-token", "a-finished-generation-is-never-marked-cancelled"],
+)
+def test_stops_at_the_token_after_the_cancel_and_counts_what_it_cost(
+    max_tokens: int, finish: tuple[str, int], generated: int, after_cancel: int
+) -> None:
     token = CancelToken()
     criterion = CancelCriterion(token)
 
-    def cancel_at_ten(n: int) -> None:
-        if n == 10:
+    def cancel_at_ten_or_the_end(n: int) -> None:
+        if n == min(10, max_tokens):
             token.fire("client disconnected")
 
-    assert complete(criterion, 100, each_token=cancel_at_ten) == ("stop", 10)
-    assert criterion.stopped
-    assert criterion.generated == 11  # the eleventh was sampled, never handed out
-    assert token.usage is not None
+    assert complete(criterion, max_tokens, each_token=cancel_at_ten_or_the_end) == finish
+    assert criterion.stopped is (finish[0] == "stop")
+    assert criterion.generated == generated
     usage = token.usage
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.after_cancel) == (PROMPT, 11, 1)
-
-
-def test_a_finished_generation_is_never_marked_cancelled() -> None:
-    # The cancel lands between the last token and llama's closing call: finish_reason stays.
-    token = CancelToken()
-    criterion = CancelCriterion(token)
-
-    def cancel_at_the_end(n: int) -> None:
-        if n == 8:
-            token.fire("client disconnected")
-
-    assert complete(criterion, 8, each_token=cancel_at_the_end) == ("length", 8)
-    assert not criterion.stopped
-    assert token.usage is not None
-    assert (token.usage.completion_tokens, token.usage.after_cancel) == (8, 0)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.after_cancel) == (
+        PROMPT,
+        generated,
+        after_cancel,
+    )
 
 
 def test_outside_a_request_it_says_so_and_never_stops() -> None:
@@ -123,12 +122,11 @@ def test_stream_ends_at_once_and_closes_the_generation() -> None:
     assert log[-2:] == ["chunk 3", "closed"]  # no chunk was made after the cancel
 
 
-def test_stream_passes_everything_through_when_not_cancelled() -> None:
-    token = CancelToken()
-    assert list(stream(iter(range(5)), token=token)) == [0, 1, 2, 3, 4]
-
-
-def test_stream_outside_a_request_passes_through() -> None:
+@pytest.mark.parametrize("inside", [True, False], ids=["not-cancelled", "outside-a-request"])
+def test_stream_passes_everything_through_when_not_cancelled(inside: bool) -> None:
+    if inside:
+        assert list(stream(iter(range(5)), token=CancelToken())) == [0, 1, 2, 3, 4]
+        return
     with pytest.warns(RuntimeWarning, match=r"stream\(\) was made outside a request"):
         passed = list(stream(range(3)))
     assert passed == [0, 1, 2]
@@ -245,12 +243,7 @@ async def test_two_generations_in_one_request_the_cancel_during_the_second(
 
         def second() -> tuple[str, int]:
             results["second"] = criterion = CancelCriterion()
-
-            def slowly(n: int) -> None:
-                started.set()
-                time.sleep(0.002)
-
-            return complete(criterion, 3000, each_token=slowly)
+            return complete(criterion, 3000, each_token=slowly(started))
 
         await anyio.to_thread.run_sync(first)
         results["finish"] = await anyio.to_thread.run_sync(second)
@@ -286,6 +279,16 @@ def test_a_stream_closed_before_its_first_token_is_not_reported(
 # -- under the middleware: the token found in a worker thread, shield() and detach() ---------
 
 
+def slowly(started: threading.Event) -> Callable[[int], None]:
+    """A token every 2 ms, `started` set at the first."""
+
+    def each_token(n: int) -> None:
+        started.set()
+        time.sleep(0.002)
+
+    return each_token
+
+
 def generation_app(
     wrap: str, results: dict[str, Any], started: threading.Event
 ) -> Callable[[Scope, Receive, Send], Any]:
@@ -295,21 +298,10 @@ def generation_app(
         def generate() -> tuple[str, int]:
             criterion = CancelCriterion()  # in the thread: found through the copied context
             results["criterion"] = criterion
-
-            def slowly(n: int) -> None:
-                started.set()
-                time.sleep(0.002)
-
-            return complete(criterion, 300, each_token=slowly)
+            return complete(criterion, 300, each_token=slowly(started))
 
         try:
-            if wrap == "shield":
-                with shield():
-                    results["finish"] = await anyio.to_thread.run_sync(generate)
-            elif wrap == "detach":
-                with detach():
-                    results["finish"] = await anyio.to_thread.run_sync(generate)
-            else:
+            with shield() if wrap == "shield" else detach() if wrap == "detach" else nullcontext():
                 results["finish"] = await anyio.to_thread.run_sync(generate)
         finally:
             results["done"] = True

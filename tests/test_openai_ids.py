@@ -4,9 +4,8 @@ tests/vllm/test_api_servers.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import anyio
@@ -18,7 +17,7 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import OpenAIRequestIds
 
-from .helpers import WATCHDOG, respond, until
+from .helpers import respond, running, served, until
 
 pytestmark = pytest.mark.anyio
 
@@ -56,15 +55,10 @@ def vllm_like(events: list[str], *, header: bytes | None = None) -> ASGIApp:
     return app
 
 
-@contextlib.asynccontextmanager
-async def posting(app: ASGIApp, body: dict[str, str]) -> AsyncIterator[ClientConnection]:
+def posting(app: ASGIApp, body: dict[str, str]) -> AbstractAsyncContextManager[ClientConnection]:
     """`app` serving a POST of `body` for a client that stays while the block runs."""
     conn = ClientConnection(body=json.dumps(body).encode())
-    scope = http_scope("POST", "/v1/chat/completions")
-    with anyio.fail_after(WATCHDOG):
-        async with anyio.create_task_group() as group:
-            group.start_soon(conn.run, app, scope)
-            yield conn
+    return running(app, http_scope("POST", "/v1/chat/completions"), conn)
 
 
 @pytest.mark.parametrize("wrapped", [True, False], ids=["aliased", "control-unwrapped"])
@@ -111,10 +105,7 @@ async def test_outside_a_request_with_an_id_everything_passes_through() -> None:
 
     wrapped = OpenAIRequestIds(app, CancelRegistry())
     for outer in (wrapped, CancelOnDisconnectMiddleware(wrapped)):
-        conn = ClientConnection()
-        with anyio.fail_after(WATCHDOG):
-            await conn.run(outer, http_scope())
-        assert conn.status == 200
+        assert (await served(outer, http_scope())).status == 200
     assert all(type(state) is not dict or state == {} for state in seen)
     assert not any(type(state).__name__ == "_AliasingState" for state in seen)
 

@@ -192,17 +192,12 @@ async def test_cardinality_bounded_under_a_thousand_distinct_paths() -> None:
     assert len(series) == 3
     common = {"reason": "client disconnected", "phase": "before_response"}
     route = "/users/{user_id}/orders"
-    assert value(
-        found, "asgi_cancel_cancelled_requests_total", method="GET", route=route, **common
-    ) == 1000  # fmt: skip
-    assert value(
-        found, "asgi_cancel_cancelled_requests_total", method="GET", route="unmatched", **common
-    ) == 500  # fmt: skip
-    assert value(
-        found, "asgi_cancel_cancelled_requests_total", method="other", route="unmatched", **common
-    ) == 500  # fmt: skip
-    assert value(found, "asgi_cancel_cancel_cleanup_seconds_count", method="GET",
-                 route="/users/{user_id}/orders", **common) == 1000  # fmt: skip
+    counts = {("GET", route): 1000, ("GET", "unmatched"): 500, ("other", "unmatched"): 500}
+    for (method, matched), count in counts.items():
+        labels = {"method": method, "route": matched, **common}
+        assert value(found, "asgi_cancel_cancelled_requests_total", **labels) == count
+    cleanups = "asgi_cancel_cancel_cleanup_seconds_count"
+    assert value(found, cleanups, method="GET", route=route, **common) == 1000
 
 
 def test_default_registry_and_one_instance_per_namespace() -> None:

@@ -7,9 +7,7 @@ blocks on it.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,56 +15,26 @@ from contextlib import contextmanager
 import anyio
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, _registry, cancel_endpoint
+from asgi_cancel import CancelRegistry, _registry, cancel_endpoint
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import Receive, Scope, Send
+
+from .helpers import WATCHDOG, Node
 
 pytestmark = pytest.mark.anyio
-WATCHDOG = 5.0
-
-
-class RemoteRequest:
-    """A request with id `remote`, running on its own asyncio loop in another thread."""
-
-    def __init__(self, registry: CancelRegistry) -> None:
-        self.registry = registry
-        self.events: list[str] = []
-        self.conn = ClientConnection()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.registered = threading.Event()
-        self.thread = threading.Thread(target=asyncio.run, args=(self._serve(),))
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            self.registered.set()
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                self.events.append("cancelled")
-                raise
-
-        middleware = CancelOnDisconnectMiddleware(app, registry=self.registry)
-        scope = http_scope(headers=[(b"x-request-id", b"remote")])
-        await asyncio.wait_for(self.conn.run(middleware, scope), WATCHDOG)
-
-    def block_its_loop(self, seconds: float) -> None:
-        """Keep the request's loop busy (a long synchronous step) for `seconds`."""
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(time.sleep, seconds)
 
 
 @contextmanager
-def remote_request(registry: CancelRegistry) -> Iterator[RemoteRequest]:
-    remote = RemoteRequest(registry)
-    remote.thread.start()
+def remote_request() -> Iterator[Node]:
+    """A request with id `remote` on another thread's event loop, sleeping until cancelled: it
+    has ended, cancelled, when the block does."""
+    remote = Node(None, "remote")
     try:
-        assert remote.registered.wait(WATCHDOG)
+        request = remote.start_request("remote")
+        remote.wait_registered("remote")
         yield remote
+        assert request.result(WATCHDOG).status == 499, "the remote request never ended"
     finally:
-        remote.thread.join(WATCHDOG)
-        assert not remote.thread.is_alive(), "the remote request never ended"
+        remote.close()
 
 
 async def ticking(ticks: list[float]) -> None:
@@ -76,10 +44,9 @@ async def ticking(ticks: list[float]) -> None:
 
 
 async def test_the_endpoint_never_blocks_its_loop_while_another_loop_is_busy() -> None:
-    registry = CancelRegistry()
-    endpoint = cancel_endpoint(registry, authorize=None)
-    with remote_request(registry) as remote:
-        remote.block_its_loop(0.5)
+    with remote_request() as remote:
+        endpoint = cancel_endpoint(remote.registry, authorize=None)
+        remote.block(0.5)
         ticks: list[float] = []
         conn = ClientConnection()
         with anyio.fail_after(WATCHDOG):
@@ -88,8 +55,7 @@ async def test_the_endpoint_never_blocks_its_loop_while_another_loop_is_busy() -
                 await conn.run(endpoint, http_scope("DELETE", "/remote"))
                 group.cancel_scope.cancel()
     assert (conn.status, json.loads(conn.body)) == (200, {"id": "remote", "cancelled": True})
-    assert remote.events == ["cancelled"]
-    assert remote.conn.status == 499
+    assert remote.events == ["remote started", "remote cancelled"]
     # The endpoint's loop went on while it waited for the other loop (about 50 ticks in the
     # half second; a blocking wait would allow one).
     assert len(ticks) > 10
@@ -99,31 +65,28 @@ async def test_a_stop_still_pending_at_the_bound_counts_as_cancelled_and_still_r
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_registry, "THREAD_TIMEOUT", 0.1)
-    registry = CancelRegistry()
-    with remote_request(registry) as remote:
-        remote.block_its_loop(0.5)
+    with remote_request() as remote:
+        remote.block(0.5)
         with anyio.fail_after(WATCHDOG):
-            assert await registry.acancel("remote") is True
-        assert remote.events == []  # handed over, not run yet
-    assert remote.events == ["cancelled"]  # ran once the loop was free
+            assert await remote.registry.acancel("remote") is True
+        assert remote.events == ["remote started"]  # handed over, not run yet
+    assert remote.events == ["remote started", "remote cancelled"]  # once the loop was free
 
 
 def test_cancel_from_a_thread_without_a_loop_waits_for_the_result() -> None:
-    registry = CancelRegistry()
-    with remote_request(registry) as remote:
-        assert registry.cancel("remote") is True
-        assert remote.events in ([], ["cancelled"])  # stopped; the task unwinds on its loop
-        assert registry.cancel("remote") is False  # already cancelled: known at once
-    assert remote.events == ["cancelled"]
+    with remote_request() as remote:
+        assert remote.registry.cancel("remote") is True
+        assert remote.events[1:] in ([], ["remote cancelled"])  # it unwinds on its loop
+        assert remote.registry.cancel("remote") is False  # already cancelled: known at once
+    assert remote.events == ["remote started", "remote cancelled"]
 
 
 async def test_cancel_on_an_event_loop_thread_does_not_wait_for_another_loop() -> None:
-    registry = CancelRegistry()
-    with remote_request(registry) as remote:
-        remote.block_its_loop(0.5)
-        assert registry.cancel("remote") is True  # handed over: counted, not waited for
-        assert remote.events == []
-    assert remote.events == ["cancelled"]
+    with remote_request() as remote:
+        remote.block(0.5)
+        assert remote.registry.cancel("remote") is True  # handed over: counted, not waited for
+        assert remote.events == ["remote started"]
+    assert remote.events == ["remote started", "remote cancelled"]
 
 
 @pytest.mark.parametrize("path", ["/caf%C3%A9", "/" + "x" * 201, "/a%20b"])

@@ -16,6 +16,7 @@ from asgi_cancel._token import current_request
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
+from . import helpers
 from .helpers import WATCHDOG, noting_cancellation, respond, running, slow_app, until
 
 pytestmark = pytest.mark.anyio
@@ -39,15 +40,29 @@ async def answer_with_the_id(scope: Scope, receive: Receive, send: Send) -> None
 
 
 async def served(app: ASGIApp, scope: Scope, **options: Any) -> ClientConnection:
-    conn = ClientConnection()
-    with anyio.fail_after(WATCHDOG):
-        await conn.run(CancelOnDisconnectMiddleware(app, **options), scope)
-    return conn
+    return await helpers.served(CancelOnDisconnectMiddleware(app, **options), scope)
 
 
-async def test_the_id_the_client_sent_is_on_the_response() -> None:
-    conn = await served(answer_with_the_id, with_header(b"client-7"), registry=CancelRegistry())
-    assert response_headers(conn) == [(b"x-request-id", b"client-7")]
+@pytest.mark.parametrize(
+    ("header", "sent", "status"),
+    [
+        ("X-Request-Id", b"client-7", 200),
+        ("X-Correlation-Id", b"corr-1", 200),
+        ("X-Request-Id", b"bad id\n", 400),
+    ],
+    ids=["sent", "the-registry-header", "refused"],
+)
+async def test_the_id_the_client_sent_is_on_the_response_unless_refused(
+    header: str, sent: bytes, status: int
+) -> None:
+    name = header.lower().encode()
+    scope = with_header(sent, name=name)
+    conn = await served(answer_with_the_id, scope, registry=CancelRegistry(header=header))
+    assert conn.status == status
+    if status == 200:
+        assert response_headers(conn) == [(name, sent)]  # under the registry's header only
+    else:
+        assert ids_in(conn) == []  # a refused id is never echoed
 
 
 async def test_a_generated_id_is_on_the_response() -> None:
@@ -55,15 +70,6 @@ async def test_a_generated_id_is_on_the_response() -> None:
     [generated] = ids_in(conn)
     assert len(generated) == 24
     assert generated == conn.body  # what current_token().request_id said
-
-
-async def test_the_registry_header_name_is_the_response_header() -> None:
-    scope = with_header(b"corr-1", name=b"x-correlation-id")
-    conn = await served(
-        answer_with_the_id, scope, registry=CancelRegistry(header="X-Correlation-Id")
-    )
-    assert ids_in(conn, b"x-correlation-id") == [b"corr-1"]
-    assert ids_in(conn) == []
 
 
 @pytest.mark.parametrize(
@@ -80,51 +86,25 @@ async def test_no_id_on_a_response_without_one(options: dict[str, Any]) -> None:
     assert ids_in(conn) == []
 
 
-async def test_a_refused_id_is_never_echoed() -> None:
-    conn = await served(answer_with_the_id, with_header(b"bad id\n"), registry=CancelRegistry())
-    assert conn.status == 400
-    assert ids_in(conn) == []
-
-
-async def test_an_id_the_app_set_itself_is_kept_and_ours_not_added() -> None:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(b"X-Request-Id", b"the-apps-own")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": b""})
-
-    conn = await served(app, with_header(b"sent-2"), registry=CancelRegistry())
-    assert response_headers(conn) == [(b"X-Request-Id", b"the-apps-own")]
-
-
+@pytest.mark.parametrize("one_shot", [False, True], ids=["list", "generator"])
 @pytest.mark.parametrize("own_id", [False, True], ids=["ours-added", "the-apps-kept"])
-async def test_headers_given_as_a_one_shot_iterable_are_all_sent(own_id: bool) -> None:
-    """ASGI allows any iterable of headers: a generator is read once, and none is lost."""
-    names = [b"content-type", b"x-request-id"] if own_id else [b"content-type"]
+async def test_the_apps_headers_are_all_sent_unchanged_and_its_own_id_kept(
+    own_id: bool, one_shot: bool
+) -> None:
+    """ASGI allows any iterable of headers: a generator is read once, and none is lost; the
+    app's list is not changed in place; an id the app set itself (in any case) is kept."""
+    names = [b"content-type", b"X-Request-Id"] if own_id else [b"content-type"]
+    headers = [(name, b"app-" + name) for name in names]
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        headers = ((name, b"app-" + name) for name in names)  # a generator
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        sent = iter(headers) if one_shot else headers
+        await send({"type": "http.response.start", "status": 200, "headers": sent})
         await send({"type": "http.response.body", "body": b"ok"})
 
     conn = await served(app, with_header(b"client-7"), registry=CancelRegistry())
-    expected = [(name, b"app-" + name) for name in names]
-    assert response_headers(conn) == expected + ([] if own_id else [(b"x-request-id", b"client-7")])
-
-
-async def test_the_apps_headers_are_not_changed_in_place() -> None:
-    shared: list[tuple[bytes, bytes]] = [(b"content-type", b"text/plain")]
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": shared})
-        await send({"type": "http.response.body", "body": b""})
-
-    middleware = CancelOnDisconnectMiddleware(app, registry=CancelRegistry())
-    for request_id in (b"first", b"second"):
-        conn = ClientConnection()
-        with anyio.fail_after(WATCHDOG):
-            await conn.run(middleware, with_header(request_id))
-        assert ids_in(conn) == [request_id]
-    assert shared == [(b"content-type", b"text/plain")]
+    ours = [] if own_id else [(b"x-request-id", b"client-7")]
+    assert response_headers(conn) == [(name, b"app-" + name) for name in names] + ours
+    assert headers == [(name, b"app-" + name) for name in names]
 
 
 async def test_after_the_start_the_body_goes_to_the_servers_send_directly() -> None:
@@ -138,9 +118,7 @@ async def test_after_the_start_the_body_goes_to_the_servers_send_directly() -> N
         server_sends.append(cycle.target)
         await send({"type": "http.response.body", "body": b"x"})
 
-    conn = ClientConnection()
-    with anyio.fail_after(WATCHDOG):
-        await conn.run(CancelOnDisconnectMiddleware(app, registry=CancelRegistry()), http_scope())
+    conn = await served(app, http_scope(), registry=CancelRegistry())
     before, after = server_sends
     assert before != conn.send  # the wrapper, until the start
     assert after == conn.send
@@ -172,14 +150,9 @@ async def test_the_middlewares_own_answers_carry_the_id() -> None:
 # -- aliases ------------------------------------------------------------------------------------
 def aliasing_app(events: list[str], registry: CancelRegistry, alias: str | None) -> ASGIApp:
     """Names itself `alias` too (as vLLM's adapter does), then sleeps until cancelled."""
-    inner = slow_app(events)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if alias is not None:
-            events.append(f"aliased:{registry.alias(alias)}")
-        await inner(scope, receive, send)
-
-    return app
+    if alias is None:
+        return slow_app(events)
+    return slow_app(events, first=lambda: events.append(f"aliased:{registry.alias(alias)}"))
 
 
 @pytest.mark.parametrize("aliased", [True, False], ids=["aliased", "control-no-alias"])
@@ -206,23 +179,7 @@ async def test_an_alias_is_refused_outside_a_request_after_it_or_malformed() -> 
     registry = CancelRegistry()
     assert registry.alias("chatcmpl-1") is False  # no request
     results: list[bool] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        results.append(registry.alias("bad alias"))
-        results.append(registry.alias(str(current_token().request_id)))  # its own: a no-op
-        results.append(CancelRegistry().alias("other-registry"))
-        await respond(send)
-
-    conn = await served(app, with_header(b"own-1"), registry=registry)
-    assert conn.status == 200
-    assert results == [False, True, False]
-    assert len(registry) == 0
-
-
-async def test_an_alias_after_the_request_ended_is_refused() -> None:
-    registry = CancelRegistry()
     done = anyio.Event()
-    results: list[bool] = []
 
     async def later() -> None:
         await done.wait()
@@ -231,13 +188,17 @@ async def test_an_alias_after_the_request_ended_is_refused() -> None:
     async with anyio.create_task_group() as group:
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            results.append(registry.alias("bad alias"))
+            results.append(registry.alias(str(current_token().request_id)))  # its own: a no-op
+            results.append(CancelRegistry().alias("other-registry"))
             group.start_soon(later)  # a task in the request's context that outlives it
             await respond(send)
 
-        await served(app, with_header(b"ended-1"), registry=registry)
+        conn = await served(app, with_header(b"own-1"), registry=registry)
         done.set()
-    assert results == [False]
-    assert "too-late" not in registry
+    assert conn.status == 200
+    assert results == [False, True, False, False]
+    assert len(registry) == 0
 
 
 async def test_a_cancel_by_an_alias_before_it_was_one_stops_the_request() -> None:

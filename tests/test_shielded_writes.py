@@ -27,6 +27,7 @@ import pytest
 from asgi_cancel import CancelOnDisconnectMiddleware, shield
 from asgi_cancel.testing import ClientConnection, http_scope
 
+from .helpers import respond
 from .servers.events import Receive, Scope, Send
 
 pytestmark = [
@@ -124,8 +125,7 @@ def order_app(
                     await execute(sql, parameters)
             injector.point()
             await anyio.lowlevel.checkpoint()
-        await send({"type": "http.response.start", "status": 201, "headers": []})
-        await send({"type": "http.response.body", "body": b"created"})
+        await respond(send, b"created", 201)
 
     return app
 

@@ -23,6 +23,8 @@ from asgi_cancel import CancelOnDisconnectMiddleware
 from asgi_cancel.testing import AppStillRunning, ASGITransport
 from asgi_cancel.types import AnyASGIApp
 
+from .test_testing_transport import IDS, TRANSPORTS, client
+
 pytestmark = [
     pytest.mark.anyio,
     # trio's finalizer warns about httpx's async generators left by a `break`: not ours.
@@ -30,22 +32,17 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
 CHUNKS = 200  # what a stream makes if nobody stops it
-TRANSPORTS = [ASGITransport, httpx.ASGITransport]
-IDS = ["ours", "control-httpx"]
 
 
-def client(transport: httpx.AsyncBaseTransport, **kwargs: object) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=transport, base_url="http://testserver", **kwargs)  # type: ignore[arg-type]
-
-
-async def read_one_chunk_and_leave(app: AnyASGIApp, transport: type) -> None:
+async def read_one_chunk_and_leave(app: AnyASGIApp, transport: type, path: str = "/") -> None:
     with anyio.fail_after(10):
-        async with client(transport(app)) as http, http.stream("GET", "/") as response:
+        async with client(transport(app)) as http, http.stream("GET", path) as response:
             async for _ in response.aiter_raw():
                 break
 
 
-def fastapi_app(events: list[str], delay: float) -> FastAPI:
+def fastapi_app(events: list[str], delay: float = 30) -> FastAPI:
+    """`/`: a slow endpoint, `/stream`: a stream, each with a yield dependency."""
     api = FastAPI()
 
     async def session() -> AsyncIterator[str]:
@@ -64,39 +61,7 @@ def fastapi_app(events: list[str], delay: float) -> FastAPI:
         events.append("endpoint done")
         return {"db": db}
 
-    return api
-
-
-async def test_fastapi_yield_dependency_teardown_runs_when_the_client_times_out() -> None:
-    events: list[str] = []
-    app = CancelOnDisconnectMiddleware(fastapi_app(events, delay=30))
-    with anyio.fail_after(10):
-        async with client(ASGITransport(app), timeout=0.1) as http:
-            with pytest.raises(httpx.ReadTimeout):
-                await http.get("/")
-            assert events == ["endpoint cancelled", "teardown"]
-
-
-async def test_control_fastapi_under_httpx_asgitransport_runs_to_its_end() -> None:
-    events: list[str] = []
-    app = CancelOnDisconnectMiddleware(fastapi_app(events, delay=0.3))
-    with anyio.fail_after(10):
-        async with client(httpx.ASGITransport(app), timeout=0.1) as http:
-            response = await http.get("/")  # no timeout: the transport ignores it
-    assert response.json() == {"db": "session"}
-    assert events == ["endpoint done", "teardown"]
-
-
-def fastapi_stream_app(events: list[str]) -> FastAPI:
-    api = FastAPI()
-
-    async def session() -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            events.append("teardown")
-
-    @api.get("/", dependencies=[Depends(session)])
+    @api.get("/stream", dependencies=[Depends(session)])
     async def stream() -> StreamingResponse:
         async def tokens() -> AsyncIterator[bytes]:
             try:
@@ -113,11 +78,29 @@ def fastapi_stream_app(events: list[str]) -> FastAPI:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
+async def test_fastapi_yield_dependency_teardown_runs_when_the_client_times_out(
+    transport: type,
+) -> None:
+    events: list[str] = []
+    ours = transport is ASGITransport
+    app = CancelOnDisconnectMiddleware(fastapi_app(events, delay=30 if ours else 0.3))
+    with anyio.fail_after(10):
+        async with client(transport(app), timeout=0.1) as http:
+            if ours:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.get("/")
+            else:  # no timeout: the control ignores it
+                assert (await http.get("/")).json() == {"db": "session"}
+            ended = "endpoint cancelled" if ours else "endpoint done"
+            assert events == [ended, "teardown"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
 async def test_fastapi_stream_with_a_yield_dependency_stops_when_the_client_leaves(
     transport: type,
 ) -> None:
     events: list[str] = []
-    await read_one_chunk_and_leave(fastapi_stream_app(events), transport)
+    await read_one_chunk_and_leave(fastapi_app(events), transport, "/stream")
     # The teardown's place differs between FastAPI versions (before the body before 0.118).
     assert "teardown" in events
     if transport is ASGITransport:
@@ -196,23 +179,19 @@ def quart_app(events: list[str], delay: float) -> Quart:
 
 
 @pytest.mark.asyncio_only(reason="Quart runs on asyncio only")
-async def test_quart_cancels_its_handler_when_the_client_times_out() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
+async def test_quart_cancels_its_handler_when_the_client_times_out(transport: type) -> None:
     events: list[str] = []
+    ours = transport is ASGITransport
     with anyio.fail_after(10):
-        async with client(ASGITransport(quart_app(events, delay=30)), timeout=0.1) as http:
-            with pytest.raises(httpx.ReadTimeout):
-                await http.get("/")
-            assert events == ["handler cancelled"]
-
-
-@pytest.mark.asyncio_only(reason="Quart runs on asyncio only")
-async def test_control_quart_under_httpx_asgitransport_runs_to_its_end() -> None:
-    events: list[str] = []
-    transport = httpx.ASGITransport(quart_app(events, delay=0.3))  # type: ignore[arg-type]
-    with anyio.fail_after(10):
-        async with client(transport, timeout=0.1) as http:
-            assert (await http.get("/")).text == "done"
-    assert events == ["handler done"]
+        app = quart_app(events, delay=30 if ours else 0.3)
+        async with client(transport(app), timeout=0.1) as http:
+            if ours:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.get("/")
+            else:  # the control runs to its end
+                assert (await http.get("/")).text == "done"
+            assert events == (["handler cancelled"] if ours else ["handler done"])
 
 
 async def test_fastapi_alone_runs_on_after_the_client_left_and_is_reported() -> None:

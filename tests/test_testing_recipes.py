@@ -46,34 +46,19 @@ def test_the_page_has_its_recipes() -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
-def test_the_recipes_pass_as_written(pytester: pytest.Pytester) -> None:
-    for name, code in recipes().items():
-        (pytester.path / name).write_text(code)
-    ignored = [f"--ignore={name}" for name in UNDER_PYTEST_ASYNCIO]
-    result = pytester.runpytest_inprocess(
-        *plugin_args(), "-p", "no:asyncio", *ignored, "-v", "-p", "no:cacheprovider", "--timeout=60"
-    )
-    assert result.ret == 0, result.stdout.str()
-    assert passed(result) == {name: n for name, n in EXPECTED.items() if n}, result.stdout.str()
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
-def test_the_pytest_asyncio_recipes_pass_as_written(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("pytest_asyncio")
+@pytest.mark.parametrize("plugin", ["anyio", "pytest-asyncio"])
+def test_the_recipes_pass_as_written(pytester: pytest.Pytester, plugin: str) -> None:
+    expected = {name: n for name, n in EXPECTED.items() if n}
+    args = ["-p", "no:asyncio", *(f"--ignore={name}" for name in UNDER_PYTEST_ASYNCIO)]
+    if plugin == "pytest-asyncio":  # its recipes, in a run of their own
+        pytest.importorskip("pytest_asyncio")
+        expected = UNDER_PYTEST_ASYNCIO
+        args = ["-p", "asyncio", "-o", "asyncio_default_fixture_loop_scope=function"]
+        args += UNDER_PYTEST_ASYNCIO
     for name, code in recipes().items():
         (pytester.path / name).write_text(code)
     result = pytester.runpytest_inprocess(
-        *plugin_args(),
-        "-p",
-        "asyncio",
-        "-o",
-        "asyncio_default_fixture_loop_scope=function",
-        *UNDER_PYTEST_ASYNCIO,
-        "-v",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=60",
+        *plugin_args(), *args, "-v", "-p", "no:cacheprovider", "--timeout=60"
     )
     assert result.ret == 0, result.stdout.str()
-    assert passed(result) == UNDER_PYTEST_ASYNCIO, result.stdout.str()
+    assert passed(result) == expected, result.stdout.str()

@@ -98,12 +98,18 @@ def waiter(seen: Seen, sleep: float = 0.3, *, mid_stream: bool = False) -> ASGIA
     return app
 
 
+TRANSPORTS = [ASGITransport, httpx.ASGITransport]
+IDS = ["ours", "control-httpx"]
+
+
 def client(transport: httpx.AsyncBaseTransport, **kwargs: object) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=transport, base_url="http://testserver", **kwargs)  # type: ignore[arg-type]
 
 
-async def test_a_stream_runs_with_the_client_not_before_it() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
+async def test_a_stream_runs_with_the_client_not_before_it(transport: type) -> None:
     read_first = anyio.Event()
+    chunks: list[bytes] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send(START)
@@ -111,35 +117,27 @@ async def test_a_stream_runs_with_the_client_not_before_it() -> None:
         await read_first.wait()  # the client has it before the app goes on
         await send({"type": "http.response.body", "body": b"second"})
 
-    with anyio.fail_after(5):
-        async with client(ASGITransport(app)) as http, http.stream("GET", "/") as response:
-            chunks = []
+    # The control buffers the whole response: its client never gets the first chunk.
+    with anyio.move_on_after(5 if transport is ASGITransport else 0.5) as watchdog:
+        async with client(transport(app)) as http, http.stream("GET", "/") as response:
             async for chunk in response.aiter_raw():
                 chunks.append(chunk)
                 read_first.set()
-    assert chunks == [b"first", b"second"]
+    assert watchdog.cancelled_caught is (transport is httpx.ASGITransport)
+    assert chunks == ([b"first", b"second"] if transport is ASGITransport else [])
 
 
-async def test_control_httpx_asgitransport_buffers_the_whole_response() -> None:
-    read_first = anyio.Event()
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await send(START)
-        await send({"type": "http.response.body", "body": b"first", "more_body": True})
-        await read_first.wait()
-        await send({"type": "http.response.body", "body": b"second"})
-
-    with anyio.move_on_after(0.5) as watchdog:
-        async with client(httpx.ASGITransport(app)) as http, http.stream("GET", "/"):
-            read_first.set()  # pragma: no cover - never reached: the app waits for the client
-    assert watchdog.cancelled_caught
-
-
-@pytest.mark.parametrize("how", ["break", "aclose"])
-async def test_closing_a_stream_delivers_the_disconnect_then_the_app_has_ended(how: str) -> None:
+@pytest.mark.parametrize(
+    ("transport", "how"),
+    [(ASGITransport, "break"), (ASGITransport, "aclose"), (httpx.ASGITransport, "break")],
+    ids=["break", "aclose", "control-httpx"],
+)
+async def test_closing_a_stream_delivers_the_disconnect_then_the_app_has_ended(
+    transport: type, how: str
+) -> None:
     seen = Seen()
-    with anyio.fail_after(5):
-        async with client(ASGITransport(streamer(seen))) as http:
+    with anyio.fail_after(5 if transport is ASGITransport else 10):
+        async with client(transport(streamer(seen))) as http:
             if how == "break":
                 async with http.stream("GET", "/") as response:
                     async for _ in response.aiter_raw():
@@ -149,41 +147,30 @@ async def test_closing_a_stream_delivers_the_disconnect_then_the_app_has_ended(h
                 await response.aiter_raw().__anext__()
                 await response.aclose()
             assert seen.ended  # already, when the client's call returns
-    assert seen.received == ["http.disconnect"]
-    assert not seen.complete
-    assert seen.chunks_sent < 200
+    if transport is httpx.ASGITransport:  # the whole stream made for a client that read one chunk
+        assert (seen.complete, seen.chunks_sent) == (True, 200)
+    else:
+        assert (seen.received, seen.complete) == (["http.disconnect"], False)
+        assert seen.chunks_sent < 200
 
 
-async def test_control_httpx_asgitransport_never_tells_the_app_the_client_left() -> None:
-    seen = Seen()
-    with anyio.fail_after(10):
-        async with client(httpx.ASGITransport(streamer(seen))) as http:
-            async with http.stream("GET", "/") as response:
-                async for _ in response.aiter_raw():
-                    break
-    assert seen.complete  # the whole stream was made, for a client that read one chunk
-    assert seen.chunks_sent == 200
-
-
-@pytest.mark.parametrize("mid_stream", [False, True], ids=["before-the-response", "mid-stream"])
-async def test_a_read_timeout_is_the_client_leaving(mid_stream: bool) -> None:
+@pytest.mark.parametrize(
+    ("transport", "mid_stream"),
+    [(ASGITransport, False), (ASGITransport, True), (httpx.ASGITransport, False)],
+    ids=["before-the-response", "mid-stream", "control-httpx"],
+)
+async def test_a_read_timeout_is_the_client_leaving(transport: type, mid_stream: bool) -> None:
     seen = Seen()
     with anyio.fail_after(5):
-        async with client(ASGITransport(waiter(seen, mid_stream=mid_stream)), timeout=0.05) as http:
-            with pytest.raises(httpx.ReadTimeout):
-                await http.get("/")
-            assert seen.received == ["http.disconnect"]  # before the ReadTimeout reached us
-    assert not seen.complete
-
-
-async def test_control_httpx_asgitransport_ignores_the_timeout() -> None:
-    seen = Seen()
-    with anyio.fail_after(5):
-        async with client(httpx.ASGITransport(waiter(seen)), timeout=0.05) as http:
-            response = await http.get("/")
-    assert response.content == b"late"
-    assert seen.complete
-    assert seen.received == []
+        async with client(transport(waiter(seen, mid_stream=mid_stream)), timeout=0.05) as http:
+            if transport is httpx.ASGITransport:  # the control ignores the timeout
+                assert (await http.get("/")).content == b"late"
+                assert seen.received == []
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.get("/")
+                assert seen.received == ["http.disconnect"]  # before the ReadTimeout reached us
+    assert seen.complete is (transport is httpx.ASGITransport)
 
 
 async def test_a_cancelled_call_is_the_client_leaving() -> None:
@@ -195,7 +182,10 @@ async def test_a_cancelled_call_is_the_client_leaving() -> None:
             assert seen.received == ["http.disconnect"]
 
 
-async def test_an_app_that_ignores_the_disconnect_is_cancelled_and_reported() -> None:
+@pytest.mark.parametrize("middleware", [False, True], ids=["reported", "under-the-middleware"])
+async def test_an_app_that_ignores_the_disconnect_is_cancelled(middleware: bool) -> None:
+    """Alone, the transport cancels it `exit_timeout` after the client left and says so; under
+    the middleware, the middleware has stopped it when the client's call returns."""
     cleanup: list[str] = []
 
     async def stubborn(scope: Scope, receive: Receive, send: Send) -> None:
@@ -204,13 +194,18 @@ async def test_an_app_that_ignores_the_disconnect_is_cancelled_and_reported() ->
         finally:
             cleanup.append("cancelled")
 
+    app = CancelOnDisconnectMiddleware(stubborn) if middleware else stubborn
+    transport = ASGITransport(app, exit_timeout=2 if middleware else 0.1)
+    reported = r"GET /x: .* 0\.1s after its client left \(cancelled\)"
     with anyio.fail_after(5):
-        async with client(ASGITransport(stubborn, exit_timeout=0.1), timeout=0.05) as http:
-            with pytest.raises(
-                AppStillRunning, match=r"GET /x: .* 0\.1s after its client left \(cancelled\)"
-            ):
-                await http.get("/x")
-    assert cleanup == ["cancelled"]
+        async with client(transport, timeout=0.05) as http:
+            if middleware:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.get("/x")
+            else:
+                with pytest.raises(AppStillRunning, match=reported):
+                    await http.get("/x")
+            assert cleanup == ["cancelled"]
 
 
 async def test_it_is_reported_once_where_the_client_left() -> None:
@@ -227,23 +222,6 @@ async def test_it_is_reported_once_where_the_client_left() -> None:
                     await response.aread()  # the timeout, then the close: one report
     assert isinstance(caught.value.__cause__, httpx.ReadTimeout)
     assert caught.value.__context__ is caught.value.__cause__
-
-
-async def test_the_middleware_stops_such_an_app_when_the_client_times_out() -> None:
-    cleanup: list[str] = []
-
-    async def slow(scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await anyio.sleep(30)
-        finally:
-            cleanup.append("cancelled")
-
-    app = CancelOnDisconnectMiddleware(slow)
-    with anyio.fail_after(5):
-        async with client(ASGITransport(app, exit_timeout=2), timeout=0.05) as http:
-            with pytest.raises(httpx.ReadTimeout):
-                await http.get("/")
-            assert cleanup == ["cancelled"]
 
 
 @pytest.mark.parametrize("slow", ["client", "app"])
@@ -443,18 +421,9 @@ async def test_an_app_that_ignores_the_cancellation_too_is_reported_and_left() -
         await anyio.sleep(0.5)  # it ends on its own
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"exit_timeout": 0}, "exit_timeout"),
-        ({"exit_timeout": float("inf")}, "exit_timeout"),
-        ({"exit_timeout": True}, "exit_timeout"),
-        ({"after_disconnect": "sometimes"}, "after_disconnect"),
-    ],
-)
-def test_bad_options_are_value_errors(kwargs: dict[str, object], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        ASGITransport(boom_before, **kwargs)  # type: ignore[arg-type]
+def test_an_unknown_after_disconnect_is_a_value_error() -> None:  # exit_timeout: test_validate
+    with pytest.raises(ValueError, match="after_disconnect"):
+        ASGITransport(boom_before, after_disconnect="sometimes")  # type: ignore[arg-type]
 
 
 def test_without_httpx_the_transport_names_its_extra_and_client_connection_still_imports() -> None:

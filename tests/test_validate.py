@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
-from asgi_cancel.testing import ClientConnection
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, CancelToken
+from asgi_cancel.testing import ASGITransport, ClientConnection
+from asgi_cancel.transformers import generate_in_thread
 from asgi_cancel.types import Receive, Scope, Send
 
 
@@ -17,11 +18,19 @@ async def hello_app(scope: Scope, receive: Receive, send: Send) -> None:
     raise AssertionError("not called")
 
 
-BAD = [-1, float("nan"), float("inf"), "1", True, None]
+BAD = [-1, -0.1, float("nan"), float("inf"), "1", "30s", True, None]
 
 
 def middleware(**options: Any) -> object:
     return CancelOnDisconnectMiddleware(hello_app, **options)
+
+
+def transport(**options: Any) -> object:
+    return ASGITransport(hello_app, **options)
+
+
+def in_a_thread(**options: Any) -> object:
+    return generate_in_thread(lambda: 0, token=CancelToken(), **options)
 
 
 def redis_broker(**options: Any) -> object:
@@ -32,19 +41,17 @@ def redis_broker(**options: Any) -> object:
 
 # (what makes one, the option, the bounds its message names, a value it takes, ones it refuses)
 OPTIONS: list[tuple[Callable[..., object], str, str, float, list[Any]]] = [
-    (lambda **o: CancelOnDisconnectMiddleware(hello_app, **o), "grace", ">= 0", 0, BAD),
-    (lambda **o: CancelOnDisconnectMiddleware(hello_app, **o), "watch_delay", ">= 0", 0, BAD),
-    (
-        lambda **o: CancelOnDisconnectMiddleware(hello_app, **o),
-        "timeout",
-        "None or",
-        1,
-        [0, *BAD[:-1]],
-    ),
+    (middleware, "grace", ">= 0", 0, BAD),
+    (middleware, "watch_delay", ">= 0", 0, BAD),
+    (middleware, "timeout", "None or", 1, [0, *BAD[:-1]]),
+    (middleware, "session_timeout", "None or", 1, [0, *BAD[:-1]]),
+    (transport, "exit_timeout", "> 0", 1, [0, *BAD]),
+    (in_a_thread, "join_timeout", ">= 0", 0, BAD),  # NaN was taken, and broke Thread.join
     (CancelRegistry, "remember", ">= 0", 0, BAD),
     (ClientConnection, "body_delay", ">= 0", 0, BAD),
     (redis_broker, "wait", "> 0 and < 60", 1, [0, 60, *BAD]),
     (redis_broker, "connect_timeout", "> 0 and < 60", 1, [0, 60, *BAD]),
+    (redis_broker, "health_timeout", "> 0 and < 60", 1, [0, 60, *BAD]),
 ]
 
 

@@ -1,4 +1,6 @@
-"""`asgi_cancel.vllm` against a fake engine: fast checks of the adapter's contract.
+"""`asgi_cancel.vllm` against a fake engine: fast checks of the adapter's contract, and of what
+a cancelled request cost in tokens (`counted`, `TokenUsage`: the hook's `usage`, the log line,
+`CancelMetrics`; tests/vllm/test_asyncllm.py checks the same against real vLLM).
 
 The fake engine, unlike vLLM, does NOT abort a request when the task iterating it is
 cancelled: whatever aborts it here is the adapter. The real-vLLM proof is in tests/vllm/;
@@ -8,31 +10,60 @@ vLLM's own `with_cancellation` shape is in tests/test_asyncio.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
+from prometheus_client import CollectorRegistry
 
-from asgi_cancel import CancelOnDisconnectMiddleware, turn
+from asgi_cancel import CancelOnDisconnectMiddleware, TokenUsage, turn
+from asgi_cancel.prometheus import CancelMetrics
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import ASGIApp, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, CancelledRequest, Receive, Scope, Send
 from asgi_cancel.vllm import EngineClient, abort_on_cancel, generate
 
 from .helpers import WATCHDOG, leave, read_body, respond, until, watching, with_watchdog
 
 pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only(reason="vLLM's engine is asyncio")]
+PROMPT = [1, 2, 3, 4, 5]
+
+
+@dataclass
+class Choice:
+    token_ids: list[int]
 
 
 @dataclass
 class FakeOutput:
+    """What the adapter reads of vLLM's `RequestOutput`, and what the tests check."""
+
     request_id: str
     num_tokens: int
     finished: bool = False
     finish_reason: str | None = None
+    outputs: list[Choice] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=lambda: list(PROMPT))
+
+
+@dataclass
+class Params:
+    n: int = 1
+    output_kind: Any = None  # `Kind("DELTA")`: each output carries its new tokens only
+
+
+@dataclass
+class Kind:
+    name: str
 
 
 class FakeEngine:
-    """Yields one output per `step` seconds; `abort` ends a running request like vLLM does."""
+    """Yields one output per `step` seconds (`n` choices, cumulative or DELTA); `abort` ends a
+    running request like vLLM does, `steps_after_abort` steps later (the step in flight, and one
+    more before a real engine sees the abort), with a final `finish_reason="abort"` output."""
 
     def __init__(
         self,
@@ -41,30 +72,43 @@ class FakeEngine:
         max_tokens: int = 2000,
         admit_delay: float = 0.0,
         abort_delay: float = 0.0,
+        steps_after_abort: int = 0,
     ) -> None:
         self.step = step
         self.max_tokens = max_tokens
         self.admit_delay = admit_delay
         self.abort_delay = abort_delay
+        self.steps_after_abort = steps_after_abort
         self.running: set[str] = set()
         self.aborted: set[str] = set()
         self.abort_calls: list[list[str]] = []
         self.events: list[str] = []
+        self.generated = 0
 
     async def generate(
-        self, prompt: object, sampling_params: object, request_id: str, /
+        self, prompt: object, sampling_params: Params | None, request_id: str, /
     ) -> AsyncIterator[FakeOutput]:
+        params = sampling_params or Params()
+        delta = params.output_kind is not None and params.output_kind.name == "DELTA"
         if self.admit_delay:
             await asyncio.sleep(self.admit_delay)  # tokenizing: not in the engine yet
         self.running.add(request_id)
+        tokens: list[list[int]] = [[] for _ in range(params.n)]
+        left: int | None = None
         try:
             for count in range(1, self.max_tokens + 1):
                 await asyncio.sleep(self.step)
                 if request_id in self.aborted:
-                    yield FakeOutput(request_id, count - 1, True, "abort")
-                    return
+                    left = self.steps_after_abort if left is None else left - 1
+                    if left <= 0:
+                        yield FakeOutput(request_id, len(tokens[0]), True, "abort")
+                        return
+                for choice in tokens:
+                    choice.append(count)
+                self.generated += params.n
                 done = count == self.max_tokens
-                yield FakeOutput(request_id, count, done, "length" if done else None)
+                choices = [Choice(choice[-1:] if delta else list(choice)) for choice in tokens]
+                yield FakeOutput(request_id, count, done, "length" if done else None, choices)
         finally:
             self.running.discard(request_id)
 
@@ -294,3 +338,100 @@ async def test_a_turn_aborts_its_own_engine_request_and_leaves_the_sessions() ->
     assert outcome["session"] == 50
     assert outcome["turn"] < 20  # aborted a few steps after the cancel, not run to 2000
     assert conn.status == 200
+
+
+# -- what a cancelled request cost ------------------------------------------------------------
+STEP = 0.01
+STEPS_AFTER_ABORT = 2
+
+
+async def cancelled_generation(
+    params: Params, caplog: pytest.LogCaptureFixture, **options: Any
+) -> tuple[FakeEngine, int]:
+    """The client leaves after 10 tokens; returns the engine and the tokens streamed."""
+    engine = FakeEngine(step=STEP, steps_after_abort=STEPS_AFTER_ABORT)
+    streamed = 0
+    conn = ClientConnection()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal streamed
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        async for _ in generate(_typed(engine), "prompt", params, "gen-1"):
+            streamed += 1
+            await send({"type": "http.response.body", "body": b"t", "more_body": True})
+
+    with caplog.at_level(logging.INFO, logger="asgi_cancel"), anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(conn.run, CancelOnDisconnectMiddleware(app, **options), http_scope())
+            await conn.wait_for_body_chunks(10)
+            conn.disconnect()
+        await anyio.sleep(STEP * (STEPS_AFTER_ABORT + 2))  # the engine's last steps
+    return engine, streamed
+
+
+@pytest.mark.parametrize("kind", [None, Kind("DELTA")], ids=["cumulative", "delta"])
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_cancelled_generation_reports_what_it_cost(
+    caplog: pytest.LogCaptureFixture, kind: Any, n: int
+) -> None:
+    seen: list[TokenUsage] = []
+    final: list[tuple[int, int, int]] = []
+
+    def hook(request: CancelledRequest) -> Callable[[], None]:
+        usage = request.usage
+        seen.append(usage)
+        return lambda: final.append(
+            (usage.prompt_tokens, usage.completion_tokens, usage.after_cancel)
+        )
+
+    engine, _ = await cancelled_generation(Params(n=n, output_kind=kind), caplog, on_cancelled=hook)
+    assert len(seen) == 1
+    prompt, completion, after = final[0]
+    assert prompt == len(PROMPT)
+    # Every token the engine generated while the app still iterated, all choices counted.
+    assert 10 * n <= completion <= engine.generated
+    assert 0 <= after <= n * (STEPS_AFTER_ABORT + 1)  # at most the step in flight and one more
+    lines = [r for r in caplog.records if "prompt and" in r.getMessage()]
+    assert len(lines) == 1
+    fields = getattr(lines[0], "asgi_cancel")  # noqa: B009
+    assert (fields["prompt_tokens"], fields["completion_tokens"]) == (prompt, completion)
+    assert fields["completion_tokens_after_cancel"] == after
+
+
+async def test_cancel_metrics_count_the_tokens_of_cancelled_requests(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = CollectorRegistry()
+    metrics = CancelMetrics(registry=registry, namespace="t")
+    await cancelled_generation(Params(), caplog, on_cancelled=metrics)
+    await anyio.lowlevel.checkpoint()
+    labels = {"method": "GET", "route": "unmatched", "reason": "client disconnected"}
+    labels["phase"] = "mid_stream"
+
+    def tokens(kind: str) -> float:
+        value = registry.get_sample_value("t_cancelled_tokens_total", {**labels, "kind": kind})
+        assert value is not None, kind
+        return value
+
+    assert tokens("prompt") == len(PROMPT)
+    assert tokens("completion") >= 10
+    assert 0 <= tokens("after_cancel") <= STEPS_AFTER_ABORT + 1
+
+
+@pytest.mark.parametrize(
+    ("returned", "logged"), [(None, False), (42, True)], ids=["none", "not-callable"]
+)
+async def test_a_hook_returning_neither_none_nor_a_callable_is_logged_as_an_error(
+    caplog: pytest.LogCaptureFixture, returned: Any, logged: bool
+) -> None:
+    calls: list[str] = []
+
+    def hook(request: CancelledRequest) -> Any:
+        calls.append(request.reason)
+        return returned
+
+    await cancelled_generation(Params(), caplog, on_cancelled=hook)
+    assert calls == ["client disconnected"]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == (["on_cancelled returned 42: return None, or a callable to call when the "
+                       "request is over"] if logged else [])  # fmt: skip

@@ -15,10 +15,9 @@ import pytest
 
 from ..servers.checks import WATCHDOG, assert_not_cancelled, leave
 from ..servers.client import FIN, close, connect, fetch, new_id, read_response, send_request
-from ..servers.events import Event
 from ..servers.latency import Latencies
 from ..servers.runner import HYPERCORN_ASYNCIO, UVICORN_HTTPTOOLS, ServerSpec
-from .deployment import Deploy, assert_clean_log
+from .deployment import MIDDLEWARE, Deploy, assert_clean_log, of, one
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 
@@ -104,19 +103,6 @@ CASES = [
 ]  # fmt: skip
 DEPLOYMENTS = list(dict.fromkeys((case.framework, case.server) for case in CASES))
 WITH_BACKGROUND_TASKS = ["fastapi", "starlette", "basehttp"]
-
-
-def of(events: list[Event], name: str) -> list[Event]:
-    return [event for event in events if event["event"] == name]
-
-
-def one(events: list[Event], name: str) -> Event:
-    found = of(events, name)
-    assert len(found) == 1, f"expected one {name!r} event, got {found}; all: {events}"
-    return found[0]
-
-
-MIDDLEWARE = pytest.mark.parametrize("middleware", [True, False], ids=["with", "control"])
 
 
 @MIDDLEWARE

@@ -15,11 +15,10 @@ import pytest
 
 from ..servers.checks import WATCHDOG
 from ..servers.client import new_id
-from ..servers.events import Event
 from ..servers.latency import Latencies
 from ..servers.runner import DAPHNE, HYPERCORN_ASYNCIO, ServerSpec
 from ..servers.ws_client import CLOSE_1000, WebSocket
-from .deployment import Deploy, assert_clean_log
+from .deployment import MIDDLEWARE, Deploy, assert_clean_log, of, one
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 
@@ -57,17 +56,6 @@ WS_CASES = [
     WsCase("channels", "listening consumer", "/ws/chat", stops="disconnected",
            alone="disconnected", server=DAPHNE, close_code=1000),
 ]  # fmt: skip
-MIDDLEWARE = pytest.mark.parametrize("middleware", [True, False], ids=["with", "control"])
-
-
-def of(events: list[Event], name: str) -> list[Event]:
-    return [event for event in events if event["event"] == name]
-
-
-def one(events: list[Event], name: str) -> Event:
-    found = of(events, name)
-    assert len(found) == 1, f"expected one {name!r} event, got {found}; all: {events}"
-    return found[0]
 
 
 @MIDDLEWARE

@@ -1,15 +1,8 @@
-"""The app behind every proxy: asgi-cancel around four endpoints, one per way a client leaves.
-Each records its events (`tests.servers.events.record`), keyed by the `id` query parameter:
-
-- `/hello`: 200 "hello" at once (the readiness probe, through the proxy).
-- `/slow?t=5`: sleeps `t` seconds, then answers: the client leaves before the first byte.
-- `/sse`: `text/event-stream`, an event every 20 ms for 5 s; `streaming` is recorded once three
-  events were sent.
-- `/body`: a `Content-Length` answer written in 1 KiB pieces every 20 ms for 5 s (a large JSON
-  written as it is made): a slow answer that is not a stream; `streaming` after three pieces.
-- `/upload`: reads the body (`received` after each piece), then sleeps 5 s.
-
-The app works 5 s at most, so a request a proxy never cancels ends by itself.
+"""The app behind every proxy: asgi-cancel around one endpoint per way a client leaves (before
+the first byte, mid-SSE, mid-`Content-Length` answer, mid-upload), each recording its events
+(`tests.servers.events.record`) keyed by the `id` query parameter. `streaming` is recorded once
+three pieces were sent. The app works `WORK` seconds at most, so a request a proxy never
+cancels ends by itself.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """A FastAPI app that runs transformers' `generate()` in worker threads, under uvicorn.
 
-The documented patterns, each at `/bare/<route>` (no middleware, no adapter: what apps do
-today), `/middleware/<route>` (the middleware alone: the app task is cancelled, the thread is
-not) and `/mw/<route>` (`CancelOnDisconnectMiddleware` and `asgi_cancel.transformers`):
-
-- `stream-thread`: a sync endpoint, `TextIteratorStreamer` and a `threading.Thread`;
-- `stream-async`: the same from an `async def` endpoint;
-- `generate-sync`: a sync endpoint (Starlette's threadpool) that calls `generate()`;
-- `generate-to-thread`: an `async def` endpoint, `await asyncio.to_thread(generate, ...)`;
-- `generate-executor`: an `async def` endpoint, `await loop.run_in_executor(None, ...)`.
-
-One generation at a time (a lock in the thread, as a single-model server has), so a request
-queues behind one whose client left. `Engine` counts from the engine's side: every stopping
-criteria call (one per token) and every streamer `put`, timestamped, per request id. Under the
-middleware a caller's budget (`x-request-timeout`) sets the request's deadline, and
-`POST /v1/requests/{X-Request-Id}/cancel` cancels it by id.
+Each documented pattern (the routes of `add_routes`: a `threading.Thread` with a streamer, from
+a sync or an async endpoint; Starlette's threadpool; `asyncio.to_thread`; `run_in_executor`) at
+`/bare/<route>` (no asgi-cancel), `/middleware/<route>` (the middleware alone: the app task is
+cancelled, the thread is not) and `/mw/<route>` (with `asgi_cancel.transformers`). One
+generation at a time (a lock, as a single-model server has), so a request queues behind one
+whose client left. `Engine` counts from the engine's side: every stopping-criteria call (one
+per token) and streamer `put`, timestamped, per request id.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, cancel_end
 from asgi_cancel.transformers import CancelCriteria, generate_in_thread
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from ..vllm._harness import free_port
+from ..vllm._harness import free_port, watch
 
 # transformers has no type hints mypy can read here (and is not the main venv's).
 transformers: Any = importlib.import_module("transformers")
@@ -108,25 +100,10 @@ def build_app(engine: Engine) -> ASGIApp:
     """`/{bare,middleware,mw}/<route>`; POST a JSON body `{"id", "prompt", "max_new_tokens"}`."""
     api = FastAPI()
 
-    def watch(request_id: str) -> None:
-        token = current_token()
-        token.on_cancel(lambda: engine.fired.__setitem__(request_id, time.monotonic()))
-
-        def record() -> None:
-            usage = token.usage
-            if usage is not None:
-                engine.usage[request_id] = (
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                    usage.after_cancel,
-                )
-
-        token.on_finished(record)
-
     def add_routes(prefix: str, adapter: bool) -> None:
         def arguments(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             if prefix != "/bare":
-                watch(body["id"])
+                watch(current_token(), body["id"], engine.fired, engine.usage)
             return body["id"], {
                 **engine.inputs(body["prompt"]),
                 "max_new_tokens": body["max_new_tokens"],

@@ -1,21 +1,13 @@
-"""A FastAPI app that runs llama-cpp-python in a worker thread, one generation at a time.
+"""A FastAPI app that runs llama-cpp-python in a worker thread, one generation at a time, for
+tests/threads/test_llama_cpp.py under uvicorn. `ASGI_CANCEL_LLAMA_MODEL` is the GGUF file,
+`ASGI_CANCEL_LLAMA_MODE` is `alone` (no asgi-cancel), `middleware` (the app task is cancelled,
+the thread is not) or `adapter` (with `asgi_cancel.llama_cpp`).
 
-For tests/threads/test_llama_cpp.py, under uvicorn. Environment:
-
-- `ASGI_CANCEL_LLAMA_MODEL`: the GGUF file (tests/threads/tiny_gguf.py writes one).
-- `ASGI_CANCEL_LLAMA_MODE`: `alone` (no asgi-cancel), `middleware` (the middleware, not the
-  criteria: the app task is cancelled, the thread is not), `adapter` (the middleware and
-  `asgi_cancel.llama_cpp`).
-
-`POST /v1/completions` takes `{"prompt", "max_tokens", "stream", "chat", "thread"}`; `thread`
-says how the generation reaches its worker thread: `to_thread` (`asyncio.to_thread`, which
-copies the context: the criteria are made in the thread), `thread` (a `threading.Thread`) or
-`executor` (`loop.run_in_executor`), which do not (the token is taken in the request and
-handed over), or `ignore` (the thread never looks at the token: made, not passed).
-`POST /v1/completions/sync` is a FastAPI `def` endpoint (Starlette's thread pool). A caller's
-budget (`x-request-timeout: 150ms`) sets the request's deadline; with the middleware, a
-request carries an id (`X-Request-Id`) that `POST /v1/requests/{id}/cancel` cancels. `GET
-/probe`: the engine's side (`llama_probe`) and the usage the cancel reports counted.
+`POST /v1/completions` takes a `Completion`; its `thread` says how the generation reaches its
+worker thread (`in_thread`): `to_thread` copies the context (the criteria are made in the
+thread), `thread` and `executor` do not (the token is handed over), `ignore` makes the
+criteria and never passes them. `POST /v1/completions/sync` is a FastAPI `def` endpoint. `GET
+/probe`: the engine's side (`llama_probe`) and the cancel reports' usage.
 """
 
 from __future__ import annotations

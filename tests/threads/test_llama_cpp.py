@@ -132,12 +132,22 @@ def wait_for(server: Server, what: str, predicate: Any, timeout: float = 30.0) -
         time.sleep(0.02)
 
 
-def post(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+def post(port: int, path: str, body: dict[str, Any], *extra: tuple[str, str]) -> socket.socket:
     data = json.dumps(body).encode()
     sock = connect(port, timeout=30.0)
-    headers = (("Content-Type", "application/json"), ("Content-Length", str(len(data))))
+    headers = (("Content-Type", "application/json"), ("Content-Length", str(len(data))), *extra)
     send_request(sock, "POST", path, headers=headers, body=data)
     return sock
+
+
+def started(server: Server, before: int, tokens: int = 1) -> dict[str, Any]:
+    """The probe once the generation after the first `before` has made `tokens` tokens."""
+
+    def ready(state: dict[str, Any]) -> bool:
+        generations = state["generations"]
+        return len(generations) > before and len(generations[before]["evals"]) >= tokens
+
+    return wait_for(server, "the generation to start", ready)
 
 
 def completion_body(kind: str, max_tokens: int, stream: bool, thread: str) -> dict[str, Any]:
@@ -165,14 +175,7 @@ def departed(server: Server, path: str, body: dict[str, Any]) -> Iterator[dict[s
     before = len(probe(server)["generations"])
     sock = post(server.port, path, body)
     try:
-        state = wait_for(
-            server,
-            "the generation to start",
-            lambda s: (
-                len(s["generations"]) > before
-                and len(s["generations"][before]["evals"]) >= LEAVE_AFTER
-            ),
-        )
+        state = started(server, before, LEAVE_AFTER)
         if body["stream"]:
             status, _, rest = read_head(sock)
             assert status == 200
@@ -315,19 +318,9 @@ def test_a_deadline_stops_the_generation_too(servers: ServerPool, mode: str) -> 
     # The client stays; its budget runs out 150 ms in: the same token fires, reason deadline.
     server = servers.get("app", mode)
     before = len(probe(server)["generations"])
-    data = json.dumps(completion_body("completion", MAX_TOKENS, False, "to_thread")).encode()
-    headers = (
-        ("Content-Type", "application/json"),
-        ("Content-Length", str(len(data))),
-        ("x-request-timeout", "150ms"),
-    )
-    with connect(server.port, timeout=30.0) as sock:
-        send_request(sock, "POST", "/v1/completions", headers=headers, body=data)
-        wait_for(
-            server,
-            "the generation to start",
-            lambda s: len(s["generations"]) > before and s["generations"][before]["evals"],
-        )
+    body = completion_body("completion", MAX_TOKENS, False, "to_thread")
+    with post(server.port, "/v1/completions", body, ("x-request-timeout", "150ms")):
+        started(server, before)
         generation = settled(server, before)
     if mode == "middleware":
         assert len(generation["evals"]) == MAX_TOKENS
@@ -341,22 +334,9 @@ def test_a_cancel_by_id_stops_the_generation_too(servers: ServerPool, mode: str)
     server = servers.get("app", mode)
     before = len(probe(server)["generations"])
     request_id = f"llama-{mode}-{time.monotonic_ns()}"
-    data = json.dumps(completion_body("completion", MAX_TOKENS, False, "to_thread")).encode()
-    headers = (
-        ("Content-Type", "application/json"),
-        ("Content-Length", str(len(data))),
-        ("X-Request-Id", request_id),
-    )
-    with connect(server.port, timeout=30.0) as sock:
-        send_request(sock, "POST", "/v1/completions", headers=headers, body=data)
-        wait_for(
-            server,
-            "the generation to start",
-            lambda s: (
-                len(s["generations"]) > before
-                and len(s["generations"][before]["evals"]) >= LEAVE_AFTER
-            ),
-        )
+    body = completion_body("completion", MAX_TOKENS, False, "to_thread")
+    with post(server.port, "/v1/completions", body, ("X-Request-Id", request_id)) as sock:
+        started(server, before, LEAVE_AFTER)
         cancelled_at = time.monotonic()
         answer = fetch_json(server, f"/v1/requests/{request_id}/cancel", {})
         assert answer == {"id": request_id, "cancelled": True}

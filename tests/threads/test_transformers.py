@@ -10,13 +10,10 @@ main venv); under .ci/vllm.sh (`ASGI_CANCEL_REQUIRE_VLLM=1`) that is a failure.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +28,7 @@ with warnings.catch_warnings():
     from asgi_cancel import CancelToken
     from asgi_cancel.transformers import CancelCriteria, generate_in_thread
 
-    from ..vllm._harness import tiny_model, wait_for
+    from ..vllm._harness import report, tiny_model, wait_for
     from ._app import ROUTES, Engine, Server
     from ._measure import LEAVE_AFTER, depart, stop_by
 
@@ -50,12 +47,7 @@ def server() -> Iterator[Server]:
     torch.set_num_threads(1)  # one core for the generation, one for the loop and the client
     with Server(Engine(tiny_model())) as running:
         yield running
-    report = os.environ.get("ASGI_CANCEL_VLLM_REPORT")
-    if report:
-        path = Path(report)
-        previous = json.loads(path.read_text()) if path.exists() else {}
-        previous["threads"] = MEASURED
-        path.write_text(json.dumps(previous, indent=2))
+    report("threads", MEASURED)
 
 
 @pytest.mark.parametrize("route", ROUTES)

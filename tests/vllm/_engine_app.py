@@ -29,7 +29,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import abort_on_cancel, generate
 
-from ._harness import import_vllm
+from ._harness import import_vllm, watch
 
 T = TypeVar("T")
 
@@ -161,18 +161,7 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
         except RuntimeError:
             token = None  # /bare: no middleware, no token
         if token is not None:
-            token.on_cancel(lambda: probe.fired.__setitem__(request_id, time.monotonic()))
-
-            def record_usage() -> None:
-                usage = token.usage
-                if usage is not None:
-                    probe.usage[request_id] = (
-                        usage.prompt_tokens,
-                        usage.completion_tokens,
-                        usage.after_cancel,
-                    )
-
-            token.on_finished(record_usage)
+            watch(token, request_id, probe.fired, probe.usage)
 
         stream: bool = request.get("stream", False)
         if stream:

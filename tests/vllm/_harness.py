@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from asgi_cancel import CancelToken
+
 from ..servers.process import free_port as free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,6 +160,27 @@ def body_of(response: bytes) -> bytes:
 
 def status_of(response: bytes) -> int:
     return int(response.split(b" ", 2)[1])
+
+
+def watch(
+    token: CancelToken, request_id: str, fired: dict[str, float], usage: dict[str, Any]
+) -> None:
+    """Record when `token` fires, and the usage it reports once its request is over."""
+    token.on_cancel(lambda: fired.__setitem__(request_id, time.monotonic()))
+
+    def record() -> None:
+        if (spent := token.usage) is not None:
+            usage[request_id] = (spent.prompt_tokens, spent.completion_tokens, spent.after_cancel)
+
+    token.on_finished(record)
+
+
+def report(section: str, measured: dict[str, Any]) -> None:
+    """Write `measured` under `section` of the JSON file at $ASGI_CANCEL_VLLM_REPORT, if set."""
+    path = Path(os.environ.get("ASGI_CANCEL_VLLM_REPORT", ""))
+    if path.name:
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps(previous | {section: measured}, indent=2))
 
 
 @contextlib.contextmanager

