@@ -13,9 +13,11 @@
 # through its configured find-links (this machine kind has it on disk).
 #
 # Steps and budget on a 2-core machine: install ~2-4 min the first time (0.6-0.95 GB download,
-# 2.5 GB venv), model build ~10 s, tests ~4-5 min (five engine start-ups of ~20-75 s each, one
-# after the other: never two vLLM engines at once on 2 cores; each route cell runs
-# ASGI_CANCEL_VLLM_RUNS times, 2 by default), serving benchmark ~1.5 min.
+# 2.5 GB venv), model builds ~10 s + ~15 s (the tiny Llama; the tiny Qwen3-ASR of
+# tests/vllm/test_realtime.py), tests ~6-7 min (six engine start-ups of ~20-75 s each, one after
+# the other: never two vLLM engines at once on 2 cores; each route cell runs
+# ASGI_CANCEL_VLLM_RUNS times, 2 by default; test_realtime.py: one start-up for both variants,
+# ~30-75 s, then ~35 s of sessions), serving benchmark ~1.5 min.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -98,12 +100,17 @@ export VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 TRANSFOR
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 export ASGI_CANCEL_REQUIRE_VLLM=1 # here a missing vLLM is a failure, not a skip
 
-step "build the tiny model"
+step "build the tiny models"
 export ASGI_CANCEL_TINY_MODEL="$ROOT/.models/tiny-llama" # where the tests look for it
 timeout 300 "$PY" -m example_app.tiny_model "$ASGI_CANCEL_TINY_MODEL"
+# vLLM's /v1/realtime needs a speech model: tests/vllm/test_realtime.py's tiny Qwen3-ASR.
+export ASGI_CANCEL_TINY_ASR_MODEL="$ROOT/.models/tiny-qwen3-asr"
+timeout 300 "$PY" -m tests.vllm.tiny_asr "$ASGI_CANCEL_TINY_ASR_MODEL"
 took "model"
 
 step "tests"
+# tests/vllm includes test_realtime.py: vLLM's /v1/realtime websocket, alone and with the
+# middleware on one engine (its tiny Qwen3-ASR, built above), ~1.3-2.2 min.
 tests=(tests/vllm tests/test_vllm_adapter.py)
 # transformers' generate() in worker threads (torch and transformers come with vLLM), ~25 s;
 # `transformers serve` with the recipe of docs/threads.md, with and without continuous batching

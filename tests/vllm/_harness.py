@@ -1,8 +1,10 @@
-"""What the real-vLLM tests share: the environment, the tiny model, a raw HTTP client.
+"""What the real-vLLM tests share: the environment, the tiny models, a raw HTTP client.
 
 Nothing here imports vLLM; `import_vllm` does, for the modules that need it, and skips them
-(with the reason) where vLLM is not installed. The tiny random-weight model is built before the
-tests run, into `$ASGI_CANCEL_TINY_MODEL` (default `.models/tiny-llama`): .ci/vllm.sh does it.
+(with the reason) where vLLM is not installed. The tiny random-weight models are built before
+the tests run, into `$ASGI_CANCEL_TINY_MODEL` (default `.models/tiny-llama`) and, for the
+realtime route, `$ASGI_CANCEL_TINY_ASR_MODEL` (default `.models/tiny-qwen3-asr`): .ci/vllm.sh
+does it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from ..servers.process import free_port as free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("ASGI_CANCEL_TINY_MODEL", REPO / ".models" / "tiny-llama"))
+ASR_MODEL_DIR = Path(
+    os.environ.get("ASGI_CANCEL_TINY_ASR_MODEL", REPO / ".models" / "tiny-qwen3-asr")
+)
 
 # vLLM on a CPU machine, offline and quiet (docs/vllm.md explains each one). Set before vLLM is
 # imported: its EngineCore and worker processes are spawned with this environment.
@@ -70,11 +75,20 @@ def import_vllm(module: str = "vllm") -> Any:
 
 def tiny_model() -> Path:
     """The model directory; skip the test if nothing is there (fail under .ci/vllm.sh)."""
-    if (MODEL_DIR / "config.json").is_file():  # the builder writes it last
-        return MODEL_DIR
+    return _built(MODEL_DIR, "ASGI_CANCEL_TINY_MODEL", "example_app.tiny_model")
+
+
+def tiny_asr_model() -> Path:
+    """The realtime model's directory (tests/vllm/tiny_asr.py); skip or fail as `tiny_model`."""
+    return _built(ASR_MODEL_DIR, "ASGI_CANCEL_TINY_ASR_MODEL", "tests.vllm.tiny_asr")
+
+
+def _built(directory: Path, variable: str, builder: str) -> Path:
+    if (directory / "config.json").is_file():  # the builders write it last
+        return directory
     reason = (
-        f"no tiny model in {MODEL_DIR} (ASGI_CANCEL_TINY_MODEL): .ci/vllm.sh builds it with "
-        f"`python -m example_app.tiny_model {MODEL_DIR}`"
+        f"no tiny model in {directory} ({variable}): .ci/vllm.sh builds it with "
+        f"`python -m {builder} {directory}`"
     )
     if _required():
         pytest.fail(reason)

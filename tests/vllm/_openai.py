@@ -112,11 +112,13 @@ def command(
     middleware: Sequence[str],
     api_server_count: int,
     max_num_seqs: int,
+    max_model_len: int,
     extra: Sequence[str],
 ) -> list[str]:
     argv = [sys.executable, "-m", "tests.vllm.vllm_cli", "serve", str(model)]
     argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0"]
+    argv += ["--dtype", "float32", "--max-model-len", str(max_model_len)]
+    argv += ["--enforce-eager", "--seed", "0"]
     argv += ["--max-num-seqs", str(max_num_seqs), "--enable-log-requests"]
     argv += ["--disable-uvicorn-access-log"]
     if api_server_count != 1:
@@ -130,21 +132,24 @@ def command(
 def serve(
     log: Path,
     *,
+    model: Path | None = None,
     middleware: Sequence[str] = (MIDDLEWARE,),
     api_server_count: int = 1,
     max_num_seqs: int = 4,
+    max_model_len: int = 512,
     env: dict[str, str] | None = None,
     extra: Sequence[str] = (),
 ) -> Iterator[OpenAIServer]:
-    """`vllm serve` with the tiny model; the server once `/health` answers 200."""
-    model = tiny_model()
+    """`vllm serve` with `model` (default: the tiny Llama); the server once `/health` answers
+    200. A `PYTHONPATH` in `env` comes after the clone's."""
     port = free_port()
     argv = command(
-        model,
+        tiny_model() if model is None else model,
         port,
         middleware=middleware,
         api_server_count=api_server_count,
         max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
         extra=extra,
     )
     environment = {**os.environ, **(env or {})}

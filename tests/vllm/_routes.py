@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -201,7 +202,7 @@ def leave_runs(
     return left
 
 
-def summary(runs: list[Left]) -> dict[str, Any]:
+def summary(runs: Sequence[Left]) -> dict[str, Any]:
     """Median and max over the runs, and the runs themselves."""
     idle = [run.close_to_idle_ms for run in runs]
     tokens = [run.tokens_after_close for run in runs]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 from asgi_cancel import (
     CancelOnDisconnectMiddleware,
@@ -37,6 +36,8 @@ from asgi_cancel import (
 from asgi_cancel.redis import RedisBroker
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import OpenAIRequestIds
+
+from .server_log import log_to_stderr
 
 CANCEL_PREFIX = "/v1/requests"
 
@@ -66,23 +67,11 @@ class CancelByIdMiddleware(CancelOnDisconnectMiddleware):
 logger = logging.getLogger("tests.vllm.cancel_by_id")
 
 
-def _log_to_stderr() -> None:
-    """The server's log is what the tests read: asgi-cancel's lines and the probe's go there
-    (vLLM configures only its own loggers)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
-    for name in ("asgi_cancel", logger.name):
-        named = logging.getLogger(name)
-        if not named.handlers:
-            named.addHandler(handler)
-            named.setLevel(logging.INFO)
-
-
 class ProbedCancelByIdMiddleware(CancelByIdMiddleware):
     """`CancelByIdMiddleware` that logs `probe pid=... header=... token=...` per request."""
 
     def __init__(self, app: ASGIApp) -> None:
-        _log_to_stderr()
+        log_to_stderr("asgi_cancel", logger.name)
 
         async def probe(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "http" and scope["path"].startswith("/v1/"):
