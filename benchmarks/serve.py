@@ -11,25 +11,21 @@ starts serving, and writes them there at exit.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import gc
 import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from ._process import Process
+from ._process import Process, server
 from ._util import ROOT
 from .alternatives import VARIANTS, TokenGenerator, build, python
 
 SERVERS = ("uvicorn", "hypercorn")
-UVICORN: dict[str, Any] = {"http": "httptools", "loop": "uvloop", "lifespan": "on"}
-UVICORN |= {"log_level": "warning", "access_log": False}
 
 
 @contextmanager
@@ -108,37 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         options["record"] = _recorder(args.events)
     if args.scenario == "engine":
         options["engine"] = TokenGenerator(args.step_time, args.max_batch)
-    app = build(args.variant, args.scenario, **options)
-    if args.server == "uvicorn":
-        import uvicorn
-
-        config = uvicorn.Config(app, "127.0.0.1", args.port, **UVICORN)
-        config.load()  # the imports it makes are not the requests' collections
-        serve: Callable[[], None] = uvicorn.Server(config).run
-    else:
-        serve = _hypercorn(app, args.port)
+    run, _stop = server(args.server, build(args.variant, args.scenario, **options), args.port)
     if args.gc_file:
         _count_collections(args.gc_file)
-    serve()
-
-
-def _hypercorn(app: Any, port: int) -> Callable[[], None]:
-    from hypercorn.asyncio import serve
-    from hypercorn.config import Config
-
-    config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = None
-    config.loglevel = "WARNING"
-    shutdown = asyncio.Event()
-
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, shutdown.set)
-        await serve(app, config, shutdown_trigger=shutdown.wait)
-
-    return lambda: asyncio.run(run())
+    run()
 
 
 if __name__ == "__main__":
