@@ -3,5 +3,5 @@
 `python -m benchmarks overhead|latency|waste|memory|serving|all [--quick]` measures (results in
 `benchmarks/results/*.json`); `python -m benchmarks render` turns them into the tables and the
 plot of `docs/benchmarks.md`; `python -m benchmarks.instructions` counts instructions per
-request inside uvicorn.
+request inside uvicorn or hypercorn (`--server`).
 """

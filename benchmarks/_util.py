@@ -47,7 +47,7 @@ def versions(python: str | Path = sys.executable) -> dict[str, str]:
     code = (
         "import importlib.metadata as m, json, platform\n"
         "out = {'python': platform.python_version()}\n"
-        f"for name in {[*names, 'uvloop', 'fastapi-disconnect']!r}:\n"
+        f"for name in {[*names, 'uvloop', 'trio', 'fastapi-disconnect']!r}:\n"
         "    try: out[name] = m.version(name)\n"
         "    except m.PackageNotFoundError: pass\n"
         "print(json.dumps(out))\n"

@@ -1,37 +1,45 @@
-"""Instructions per request inside a real uvicorn process (httptools, uvloop), by callgrind.
+"""Instructions per request inside a real server process, by callgrind.
 
-`python -m benchmarks.instructions` measures this: for each row (an app that never awaits,
-an app that awaits `asyncio.sleep(0.001)` before answering) it starts uvicorn under
-`valgrind --tool=callgrind --dump-before=getppid` once bare and once wrapped in
-`CancelOnDisconnectMiddleware`, sends warm-up requests over one keep-alive connection from
-this (uncounted) process, then `GET /__mark`, `requests` requests, `GET /__mark`. The server
-calls `os.getppid()` for each mark, so callgrind's part 2 holds exactly those requests (plus
-one mark's worth, the same for both columns). Counts do not depend on the machine's load,
-which is what makes them comparable across commits on a shared machine.
+`python -m benchmarks.instructions [--server uvicorn|hypercorn|hypercorn-trio]`: for each row
+(an app that never awaits, one that sleeps 1 ms, one that sleeps past `watch_delay`, one that then
+streams CHUNKS chunks) the server (uvicorn: httptools, uvloop) runs under `valgrind
+--tool=callgrind --dump-before=getppid` once bare and once wrapped in the middleware. This
+(uncounted) process sends warm-up requests over one keep-alive connection, then `GET /__mark`,
+`requests` requests, `GET /__mark`; the server calls `os.getppid()` at each mark, so callgrind's
+part 2 holds exactly those requests (plus one mark's worth, the same in both columns). Counts do
+not depend on the machine's load, which makes them comparable across commits on a shared machine.
 
-Child side: `python -m benchmarks.instructions serve ROW WRAP PORT`.
+Child side: `python -m benchmarks.instructions serve SERVER ROW WRAP PORT [WATCH_DELAY]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ._process import free_port
-from ._util import ROOT, emit, table
+from ._process import HOST, SERVERS, free_port, listening, server
+from ._util import ROOT, emit, table, versions
 
 ROWS = {
     "hello": "hello world, never awaits",
     "sleep": "awaits asyncio.sleep(0.001), then answers",
     "watched": "awaits asyncio.sleep(0.02) (watched), then answers",
     "stream": "awaits asyncio.sleep(0.02), then 64 SSE chunks, yielding before each",
+}
+LABELS = {
+    "uvicorn": "uvicorn (httptools, uvloop)",
+    "hypercorn": "hypercorn (asyncio, h11)",
+    "hypercorn-trio": "hypercorn (trio, h11)",
 }
 # The stream row's chunks: what an LLM server's token stream looks like to the middleware.
 CHUNKS = 64
@@ -48,6 +56,7 @@ CALLGRIND_SLOWDOWN = 2.14
 OPTION_ENV = "BENCH_MIDDLEWARE_OPTION"
 OPTIONS = ("registry", "broker", "timeout")
 
+Sleep = Callable[[float], Coroutine[Any, Any, None]]
 _START = {
     "type": "http.response.start",
     "status": 200,
@@ -64,30 +73,34 @@ _END = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
 # -- server side (under valgrind) -------------------------------------------------------------
-def build_app(row: str, wrap: str, watch_delay: float | None = None) -> Any:
+def build_app(
+    row: str, wrap: str, watch_delay: float | None = None, sleep: Sleep = asyncio.sleep
+) -> Any:
+    """The row's app; `sleep` is the running loop's own (trio's on trio)."""
+
     async def hello(scope: Any, receive: Any, send: Any) -> None:
         await send(dict(_START))
         await send(dict(_BODY))
 
-    async def sleep(scope: Any, receive: Any, send: Any) -> None:
-        await asyncio.sleep(0.001)
+    async def sleep_1ms(scope: Any, receive: Any, send: Any) -> None:
+        await sleep(0.001)
         await send(dict(_START))
         await send(dict(_BODY))
 
     async def watched(scope: Any, receive: Any, send: Any) -> None:
-        await asyncio.sleep(0.02)
+        await sleep(0.02)
         await send(dict(_START))
         await send(dict(_BODY))
 
     async def stream(scope: Any, receive: Any, send: Any) -> None:
-        await asyncio.sleep(0.02)
+        await sleep(0.02)
         await send(dict(_SSE_START))
         for _ in range(CHUNKS):
-            await asyncio.sleep(0)  # an engine's next output
+            await sleep(0)  # an engine's next output
             await send(dict(_CHUNK))
         await send(dict(_END))
 
-    apps = {"hello": hello, "sleep": sleep, "watched": watched, "stream": stream}
+    apps = {"hello": hello, "sleep": sleep_1ms, "watched": watched, "stream": stream}
     return wrapped(apps[row], wrap, watch_delay)
 
 
@@ -119,11 +132,13 @@ def wrapped(app: Any, wrap: str, watch_delay: float | None = None) -> Any:
     return app
 
 
-def serve(row: str, wrap: str, port: int, watch_delay: float | None = None) -> None:
-    import uvicorn
+def serve(name: str, row: str, wrap: str, port: int, watch_delay: float | None = None) -> None:
+    sleep: Sleep = asyncio.sleep
+    if name == "hypercorn-trio":
+        import trio
 
-    app = build_app(row, wrap, watch_delay)
-    server: Any = None
+        sleep = trio.sleep
+    app = build_app(row, wrap, watch_delay, sleep)
 
     async def front(scope: Any, receive: Any, send: Any) -> None:
         # The same dispatch for both columns: its cost cancels out of the difference.
@@ -131,25 +146,15 @@ def serve(row: str, wrap: str, port: int, watch_delay: float | None = None) -> N
         if path == "/__mark":
             os.getppid()  # callgrind --dump-before=getppid closes a part here
         elif path == "/__exit":
-            server.should_exit = True
+            stop()
         else:
             await app(scope, receive, send)
             return
         await send(dict(_START))
         await send(dict(_BODY))
 
-    config = uvicorn.Config(
-        front,
-        host="127.0.0.1",
-        port=port,
-        http="httptools",
-        loop="uvloop",
-        lifespan="off",
-        access_log=False,
-        log_level="warning",
-    )
-    server = uvicorn.Server(config)
-    server.run()
+    run, stop = server(name, front, port, lifespan="off")
+    run()
 
 
 def loop(row: str, wrap: str, requests: int) -> None:
@@ -198,53 +203,54 @@ def run_in_process(
     results: dict[str, dict[str, float]] = {}
     option = os.environ.get(OPTION_ENV, "")  # the loop takes no --option: the environment's
     with tempfile.TemporaryDirectory(prefix="asgi-cancel-loop-instr-") as name:
-        out = Path(name)
         for row in rows:
             started = [
-                _spawn(out / f"{row}-{wrap}.out", python, option, "loop", row, wrap, str(requests))
+                _spawn(Path(name) / f"{row}-{wrap}.out", python, option, "loop", row, wrap, count)
                 for wrap in WRAPS
+                for count in [str(requests)]
             ]
-            results[row] = _counts(row, started, requests)
+            results[row] = _counts(row, started, requests, [])
     return results
 
 
 # -- client side (this process, not counted) --------------------------------------------------
-def _request(sock: socket.socket, path: str) -> None:
-    def receive() -> bytes:
-        chunk = sock.recv(4096)
-        if not chunk:
-            raise ConnectionError("server closed the connection")
-        return chunk
-
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += receive()
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = 0
-    chunked = False
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"content-length":
-            length = int(value)
-        elif name == b"transfer-encoding":
-            chunked = b"chunked" in value.lower()
-    if chunked:  # the stream row: its body ends with the last, empty chunk
-        while not body.endswith(b"0\r\n\r\n"):
-            body += receive()
-    while len(body) < length:
-        body += receive()
+def _connect(port: int) -> http.client.HTTPConnection:
+    deadline = time.monotonic() + 300  # the server starts slowly under valgrind
+    while not listening(port):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no server on port {port}")
+        time.sleep(0.2)
+    return http.client.HTTPConnection(HOST, port, timeout=120)
 
 
-def _connect(port: int, deadline: float) -> socket.socket:
-    while True:
-        try:
-            return socket.create_connection(("127.0.0.1", port), timeout=120)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+def _get(connection: http.client.HTTPConnection, path: str) -> None:
+    # `GET path HTTP/1.1` and `Host: bench`, no other header: what the server parses stays put.
+    connection.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+    connection.putheader("Host", "bench")
+    connection.endheaders()
+    connection.getresponse().read()
+
+
+def drive(port: int, requests: int, connections: int = 1) -> None:
+    """WARM_UP requests, a mark, `requests` requests over `connections` keep-alive connections
+    at once (a client thread each), a mark."""
+    clients = [_connect(port) for _ in range(connections)]
+    for _ in range(WARM_UP):
+        _get(clients[0], "/")
+    _get(clients[0], "/__mark")
+    share = requests // connections
+    shares = [requests - share * (connections - 1)] + [share] * (connections - 1)
+
+    def some(client: http.client.HTTPConnection, count: int) -> None:
+        for _ in range(count):
+            _get(client, "/")
+
+    with ThreadPoolExecutor(connections) as pool:
+        list(pool.map(some, clients, shares))  # a client's error is raised here
+    _get(clients[0], "/__mark")
+    for client in clients[1:]:
+        client.close()
+    _get(clients[0], "/__exit")
 
 
 def _spawn(
@@ -265,11 +271,13 @@ def _counts(
     row: str,
     started: list[tuple[subprocess.Popen[bytes], Path]],
     requests: int,
-    errors: list[BaseException] | None = None,
+    errors: list[BaseException],
 ) -> dict[str, float]:
     """Wait for a row's two children; instructions per request of each column."""
     counts: dict[str, float] = {}
     for wrap, (process, out) in zip(WRAPS, started, strict=True):
+        if errors:  # the client failed: the server waits for nothing more
+            process.kill()
         _stdout, stderr = process.communicate(timeout=600)
         if errors or process.returncode != 0:
             raise RuntimeError(
@@ -277,34 +285,6 @@ def _counts(
             )
         counts[wrap] = _totals(Path(f"{out}.2")) / requests
     return counts
-
-
-def drive(port: int, requests: int, connections: int = 1) -> None:
-    """WARM_UP requests, a mark, `requests` requests over `connections` keep-alive connections
-    at once (one client thread each), a mark."""
-    import threading
-
-    with _connect(port, time.monotonic() + 300) as sock:
-        others = [_connect(port, time.monotonic() + 300) for _ in range(connections - 1)]
-        for _ in range(WARM_UP):
-            _request(sock, "/")
-        _request(sock, "/__mark")
-
-        def some(client: socket.socket, count: int) -> None:
-            for _ in range(count):
-                _request(client, "/")
-
-        share = requests // connections
-        threads = [threading.Thread(target=some, args=(other, share)) for other in others]
-        for thread in threads:
-            thread.start()
-        some(sock, requests - share * len(others))
-        for thread in threads:
-            thread.join()
-        _request(sock, "/__mark")
-        for other in others:
-            other.close()
-        _request(sock, "/__exit")
 
 
 def _totals(path: Path) -> int:
@@ -322,14 +302,13 @@ def run(
     connections: int = 1,
     option: str | None = None,
     python: str = sys.executable,
+    server_name: str = "uvicorn",
 ) -> dict[str, dict[str, float]]:
     """Instructions per request for every row, bare and wrapped; the two columns of a row run
     in parallel (callgrind counts do not depend on load). `keep`: a folder for the callgrind
     files (`callgrind_annotate ROW-WRAP.out.2` shows where the instructions go)."""
-    import threading
-
     results: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="asgi-cancel-uvicorn-instr-") as name:
+    with tempfile.TemporaryDirectory(prefix="asgi-cancel-instr-") as name:
         folder = Path(name) if keep is None else keep
         folder.mkdir(parents=True, exist_ok=True)
         for row in rows:
@@ -338,39 +317,47 @@ def run(
             started = [
                 _spawn(folder / f"{row}-{wrap}.out", python, option or "", *child)
                 for wrap, port in zip(WRAPS, ports, strict=True)
-                for child in [("serve", row, wrap, str(port), *delay)]
+                for child in [("serve", server_name, row, wrap, str(port), *delay)]
             ]
-            errors: list[BaseException] = []
-
-            def client(port: int, errors: list[BaseException] = errors) -> None:
-                try:
-                    drive(port, requests, connections)
-                except BaseException as exc:  # reported below, with the server's stderr
-                    errors.append(exc)
-
-            threads = [threading.Thread(target=client, args=(port,)) for port in ports]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            with ThreadPoolExecutor(len(ports)) as pool:
+                done = [pool.submit(drive, port, requests, connections) for port in ports]
+            errors = [error for future in done if (error := future.exception())]
             results[row] = _counts(row, started, requests, errors)
     return results
 
 
-def render(results: dict[str, dict[str, float]]) -> str:
+def per_chunk(results: dict[str, dict[str, float]]) -> dict[str, float] | None:
+    """What each streamed chunk costs: (the stream row - the watched row) / CHUNKS, bare, and
+    added by the middleware."""
+    if not {"stream", "watched"} <= results.keys():
+        return None
+    stream, watched = results["stream"], results["watched"]
+    bare = (stream["bare"] - watched["bare"]) / CHUNKS
+    return {"bare": bare, "added": (stream["asgi-cancel"] - watched["asgi-cancel"]) / CHUNKS - bare}
+
+
+def render(results: dict[str, dict[str, float]], server_name: str = "uvicorn") -> str:
     rows = []
     for row, counts in results.items():
         bare, wrapped = counts["bare"], counts["asgi-cancel"]
         added, ratio = f"+{(wrapped - bare) / 1e3:,.1f} k", f"x{wrapped / bare:.3f}"
-        rows.append([ROWS[row], f"{bare / 1e3:,.1f} k", f"{wrapped / 1e3:,.1f} k", added, ratio])
-    headers = ["uvicorn (httptools, uvloop), instructions/request", "bare", "asgi-cancel"]
-    return table([*headers, "added", "ratio"], rows)
+        label = ROWS[row]
+        label = label.replace("asyncio.", "trio.") if server_name == "hypercorn-trio" else label
+        rows.append([label, f"{bare / 1e3:,.1f} k", f"{wrapped / 1e3:,.1f} k", added, ratio])
+    headers = [f"{LABELS[server_name]}, instructions/request", "bare", "asgi-cancel"]
+    text = table([*headers, "added", "ratio"], rows)
+    chunk = per_chunk(results)
+    if chunk is not None:
+        text += f"\n\nper streamed chunk ((stream - watched) / {CHUNKS}): "
+        text += f"bare {chunk['bare'] / 1e3:,.2f} k, added {chunk['added'] / 1e3:+,.2f} k"
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "serve":
-        serve(args[1], args[2], int(args[3]), float(args[4]) if len(args) > 4 else None)
+        delay = float(args[5]) if len(args) > 5 else None
+        serve(args[1], args[2], args[3], int(args[4]), delay)
         return
     if args and args[0] == "loop":
         loop(args[1], args[2], int(args[3]))
@@ -378,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
+    parser.add_argument("--server", choices=SERVERS, default="uvicorn")
     parser.add_argument("--requests", type=int, default=REQUESTS)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--keep", type=Path, default=None)
@@ -385,21 +373,29 @@ def main(argv: list[str] | None = None) -> None:
     delay_help = f"the middleware's option (default: its default x {CALLGRIND_SLOWDOWN})"
     parser.add_argument("--watch-delay", type=float, help=delay_help)
     parser.add_argument("--option", choices=OPTIONS, help="a middleware option to turn on")
-    python_help = "the interpreter that runs uvicorn (with httptools, uvloop and asgi-cancel)"
+    python_help = "the interpreter that runs the server (with it, its extras and asgi-cancel)"
     parser.add_argument("--python", default=sys.executable, help=python_help)
     in_process_help = "count in a loop without a server (~6 s: for trying changes)"
     parser.add_argument("--in-process", action="store_true", help=in_process_help)
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parsed = parser.parse_args(args)
+    rows = tuple(parsed.rows)
     if parsed.in_process:
-        results = run_in_process(parsed.requests, tuple(parsed.rows), parsed.python)
-        text = render(results).replace("uvicorn (httptools, uvloop)", "in process (uvloop)")
-        emit(text.replace(ROWS["sleep"], "awaits a future set on the next loop iteration"))
-        return
-    rows, delay, option = tuple(parsed.rows), parsed.watch_delay, parsed.option
-    counts = run(
-        parsed.requests, rows, parsed.keep, delay, parsed.connections, option, parsed.python
-    )
-    emit(render(counts))
+        results = run_in_process(parsed.requests, rows, parsed.python)
+        text = render(results).replace(LABELS["uvicorn"], "in process (uvloop)")
+        text = text.replace(ROWS["sleep"], "awaits a future set on the next loop iteration")
+    else:
+        options = (parsed.keep, parsed.watch_delay, parsed.connections, parsed.option)
+        results = run(parsed.requests, rows, *options, parsed.python, parsed.server)
+        text = render(results, parsed.server)
+    found = versions(parsed.python)
+    emit(f"{text}\n\nPython {found['python']}, {parsed.requests:,} requests per column")
+    if parsed.json:
+        server_name = "in-process" if parsed.in_process else parsed.server
+        data = {"server": server_name, "requests": parsed.requests, "versions": found}
+        data |= {"option": parsed.option, "results": results, "per_chunk": per_chunk(results)}
+        parsed.json.write_text(json.dumps(data, indent=1) + "\n")
+        emit(f"results: {parsed.json}")
 
 
 if __name__ == "__main__":
