@@ -115,6 +115,11 @@ class Process:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(self.timeout)
 
+    def wait(self, timeout: float) -> int:
+        """Wait for the process to end by itself; its exit code."""
+        assert self.popen is not None
+        return self.popen.wait(timeout)
+
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 

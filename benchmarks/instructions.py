@@ -1,13 +1,11 @@
 """Instructions per request inside a real server process, by callgrind.
 
-`python -m benchmarks.instructions [--server uvicorn|hypercorn|hypercorn-trio]`: for each row
-(an app that never awaits, one that sleeps 1 ms, one that sleeps past `watch_delay`, one that then
-streams CHUNKS chunks) the server (uvicorn: httptools, uvloop) runs under `valgrind
---tool=callgrind --dump-before=getppid` once bare and once wrapped in the middleware. This
-(uncounted) process sends warm-up requests over one keep-alive connection, then `GET /__mark`,
-`requests` requests, `GET /__mark`; the server calls `os.getppid()` at each mark, so callgrind's
-part 2 holds exactly those requests (plus one mark's worth, the same in both columns). Counts do
-not depend on the machine's load, which makes them comparable across commits on a shared machine.
+`python -m benchmarks.instructions [--server uvicorn|hypercorn|hypercorn-trio]`: for each row of
+ROWS the server runs under `valgrind --tool=callgrind --dump-before=getppid`, bare and wrapped in
+the middleware side by side. This (uncounted) process sends warm-up requests over a keep-alive
+connection, `GET /__mark`, the requests, `GET /__mark`; the server calls `os.getppid()` at each
+mark, so callgrind's part 2 holds exactly those requests (plus a mark's worth in both columns).
+Counts do not depend on the machine's load: they compare across commits on a shared machine.
 
 Child side: `python -m benchmarks.instructions serve SERVER ROW WRAP PORT [WATCH_DELAY]`.
 """
@@ -18,16 +16,14 @@ import asyncio
 import http.client
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ._process import HOST, SERVERS, free_port, listening, server
+from ._process import HOST, SERVERS, Process, server
 from ._util import ROOT, emit, table, versions
 
 ROWS = {
@@ -40,6 +36,7 @@ LABELS = {
     "uvicorn": "uvicorn (httptools, uvloop)",
     "hypercorn": "hypercorn (asyncio, h11)",
     "hypercorn-trio": "hypercorn (trio, h11)",
+    "in-process": "in process (uvloop)",
 }
 # The stream row's chunks: what an LLM server's token stream looks like to the middleware.
 CHUNKS = 64
@@ -48,7 +45,7 @@ REQUESTS = 2000
 WARM_UP = 300
 # Under callgrind the awaiting row takes 2.74 ms per request against 1.28 ms at full speed
 # (measured here): the middleware's default watch_delay is scaled by that factor, so that the
-# requests that cross it under callgrind are those that would at full speed (none of these).
+# requests that cross it under callgrind are those that would at full speed (the 20 ms rows').
 # Unscaled, the count depended on the machine's load (a loaded run watched some requests).
 CALLGRIND_SLOWDOWN = 2.14
 # "registry" (ids), "broker" (ids, cancels carried by the Redis at $ASGI_CANCEL_REDIS_URL) or
@@ -57,17 +54,11 @@ OPTION_ENV = "BENCH_MIDDLEWARE_OPTION"
 OPTIONS = ("registry", "broker", "timeout")
 
 Sleep = Callable[[float], Coroutine[Any, Any, None]]
-_START = {
-    "type": "http.response.start",
-    "status": 200,
-    "headers": [(b"content-type", b"text/plain"), (b"content-length", b"5")],
-}
+_HEADERS = [(b"content-type", b"text/plain"), (b"content-length", b"5")]
+_START = {"type": "http.response.start", "status": 200, "headers": _HEADERS}
 _BODY = {"type": "http.response.body", "body": b"hello"}
-_SSE_START = {
-    "type": "http.response.start",
-    "status": 200,
-    "headers": [(b"content-type", b"text/event-stream")],
-}
+_SSE_HEADERS = [(b"content-type", b"text/event-stream")]
+_SSE_START = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
 _CHUNK = {"type": "http.response.body", "body": b"data: token\n\n", "more_body": True}
 _END = {"type": "http.response.body", "body": b"", "more_body": False}
 
@@ -77,59 +68,51 @@ def build_app(
     row: str, wrap: str, watch_delay: float | None = None, sleep: Sleep = asyncio.sleep
 ) -> Any:
     """The row's app; `sleep` is the running loop's own (trio's on trio)."""
+    delay = 0.001 if row == "sleep" else 0.02
 
     async def hello(scope: Any, receive: Any, send: Any) -> None:
         await send(dict(_START))
         await send(dict(_BODY))
 
-    async def sleep_1ms(scope: Any, receive: Any, send: Any) -> None:
-        await sleep(0.001)
-        await send(dict(_START))
-        await send(dict(_BODY))
-
-    async def watched(scope: Any, receive: Any, send: Any) -> None:
-        await sleep(0.02)
+    async def sleeps(scope: Any, receive: Any, send: Any) -> None:
+        await sleep(delay)
         await send(dict(_START))
         await send(dict(_BODY))
 
     async def stream(scope: Any, receive: Any, send: Any) -> None:
-        await sleep(0.02)
+        await sleep(delay)
         await send(dict(_SSE_START))
         for _ in range(CHUNKS):
             await sleep(0)  # an engine's next output
             await send(dict(_CHUNK))
         await send(dict(_END))
 
-    apps = {"hello": hello, "sleep": sleep_1ms, "watched": watched, "stream": stream}
+    apps = {"hello": hello, "sleep": sleeps, "watched": sleeps, "stream": stream}
     return wrapped(apps[row], wrap, watch_delay)
 
 
 def wrapped(app: Any, wrap: str, watch_delay: float | None = None) -> Any:
     """`app` as the column `wrap` runs it: bare, or in the middleware (with the option the
     environment names)."""
-    if wrap == "asgi-cancel":
-        import inspect
+    if wrap == "bare":
+        return app
+    import inspect
 
-        from asgi_cancel import CancelOnDisconnectMiddleware
+    from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
 
-        if watch_delay is None:
-            default = inspect.signature(CancelOnDisconnectMiddleware).parameters["watch_delay"]
-            watch_delay = default.default * CALLGRIND_SLOWDOWN
-        extra: dict[str, Any] = {}
-        option = os.environ.get(OPTION_ENV, "")
-        if option in ("registry", "broker"):
-            from asgi_cancel import CancelRegistry
+    if watch_delay is None:
+        default = inspect.signature(CancelOnDisconnectMiddleware).parameters["watch_delay"]
+        watch_delay = default.default * CALLGRIND_SLOWDOWN
+    option = os.environ.get(OPTION_ENV, "")
+    extra: dict[str, Any] = {"timeout": 30.0} if option == "timeout" else {}
+    if option == "registry":
+        extra["registry"] = CancelRegistry()
+    elif option == "broker":
+        from asgi_cancel.redis import RedisBroker
 
-            broker = None
-            if option == "broker":
-                from asgi_cancel.redis import RedisBroker
-
-                broker = RedisBroker(os.environ["ASGI_CANCEL_REDIS_URL"])
-            extra["registry"] = CancelRegistry(broker=broker)
-        elif option == "timeout":
-            extra["timeout"] = 30.0
-        app = CancelOnDisconnectMiddleware(app, watch_delay=watch_delay, **extra)
-    return app
+        broker = RedisBroker(os.environ["ASGI_CANCEL_REDIS_URL"])
+        extra["registry"] = CancelRegistry(broker=broker)
+    return CancelOnDisconnectMiddleware(app, watch_delay=watch_delay, **extra)
 
 
 def serve(name: str, row: str, wrap: str, port: int, watch_delay: float | None = None) -> None:
@@ -196,33 +179,7 @@ def loop(row: str, wrap: str, requests: int) -> None:
     uvloop.run(main())
 
 
-def run_in_process(
-    requests: int = REQUESTS, rows: tuple[str, ...] = tuple(ROWS), python: str = sys.executable
-) -> dict[str, dict[str, float]]:
-    """Instructions per request in the in-process loop (`loop()`), bare and wrapped."""
-    results: dict[str, dict[str, float]] = {}
-    option = os.environ.get(OPTION_ENV, "")  # the loop takes no --option: the environment's
-    with tempfile.TemporaryDirectory(prefix="asgi-cancel-loop-instr-") as name:
-        for row in rows:
-            started = [
-                _spawn(Path(name) / f"{row}-{wrap}.out", python, option, "loop", row, wrap, count)
-                for wrap in WRAPS
-                for count in [str(requests)]
-            ]
-            results[row] = _counts(row, started, requests, [])
-    return results
-
-
 # -- client side (this process, not counted) --------------------------------------------------
-def _connect(port: int) -> http.client.HTTPConnection:
-    deadline = time.monotonic() + 300  # the server starts slowly under valgrind
-    while not listening(port):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no server on port {port}")
-        time.sleep(0.2)
-    return http.client.HTTPConnection(HOST, port, timeout=120)
-
-
 def _get(connection: http.client.HTTPConnection, path: str) -> None:
     # `GET path HTTP/1.1` and `Host: bench`, no other header: what the server parses stays put.
     connection.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
@@ -234,7 +191,7 @@ def _get(connection: http.client.HTTPConnection, path: str) -> None:
 def drive(port: int, requests: int, connections: int = 1) -> None:
     """WARM_UP requests, a mark, `requests` requests over `connections` keep-alive connections
     at once (a client thread each), a mark."""
-    clients = [_connect(port) for _ in range(connections)]
+    clients = [http.client.HTTPConnection(HOST, port, timeout=120) for _ in range(connections)]
     for _ in range(WARM_UP):
         _get(clients[0], "/")
     _get(clients[0], "/__mark")
@@ -253,45 +210,26 @@ def drive(port: int, requests: int, connections: int = 1) -> None:
     _get(clients[0], "/__exit")
 
 
-def _spawn(
-    out: Path, python: str, option: str, *child: str
-) -> tuple[subprocess.Popen[bytes], Path]:
-    """This module's child mode `child` under callgrind; part 2 of `out` is what lies between
-    the child's two `os.getppid()` marks."""
-    command = ["valgrind", "--tool=callgrind", "--dump-before=getppid"]
-    command += [f"--callgrind-out-file={out}", python, "-m", "benchmarks.instructions", *child]
-    env = {**os.environ, "PYTHONHASHSEED": "0", OPTION_ENV: option}
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    return process, out
+def _callgrind(out: Path, python: str, option: str | None, *child: str) -> Process:
+    """This module's child mode `child` (PORT: the process's port) under callgrind, started;
+    part 2 of `out` is what lies between the child's two `os.getppid()` marks."""
+
+    def argv(port: int) -> list[str]:
+        command = ["valgrind", "--tool=callgrind", "--dump-before=getppid"]
+        command += [f"--callgrind-out-file={out}", python, "-m", "benchmarks.instructions"]
+        return command + [str(port) if arg == "PORT" else arg for arg in child]
+
+    env = {"PYTHONHASHSEED": "0", OPTION_ENV: option or ""}
+    return Process(argv, log=out.with_suffix(".log"), cwd=ROOT, env=env, timeout=300).spawn()
 
 
-def _counts(
-    row: str,
-    started: list[tuple[subprocess.Popen[bytes], Path]],
-    requests: int,
-    errors: list[BaseException],
-) -> dict[str, float]:
-    """Wait for a row's two children; instructions per request of each column."""
-    counts: dict[str, float] = {}
-    for wrap, (process, out) in zip(WRAPS, started, strict=True):
-        if errors:  # the client failed: the server waits for nothing more
-            process.kill()
-        _stdout, stderr = process.communicate(timeout=600)
-        if errors or process.returncode != 0:
-            raise RuntimeError(
-                f"callgrind {row}/{wrap} failed ({errors}):\n{stderr.decode()[-2000:]}"
-            )
-        counts[wrap] = _totals(Path(f"{out}.2")) / requests
-    return counts
-
-
-def _totals(path: Path) -> int:
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith(("totals:", "summary:")):
-            return int(line.split()[1])
-    raise RuntimeError(f"no totals in {path}")
+def _count(process: Process, requests: int) -> float:
+    """Wait for a child's end; its instructions per request (callgrind's part 2)."""
+    if process.wait(600) != 0:
+        raise RuntimeError(f"callgrind's child failed:\n{process.log_tail()}")
+    lines = process.log.with_suffix(".out.2").read_text(errors="replace").splitlines()
+    totals = [line for line in lines if line.startswith(("totals:", "summary:"))]
+    return int(totals[0].split()[1]) / requests
 
 
 def run(
@@ -305,24 +243,37 @@ def run(
     server_name: str = "uvicorn",
 ) -> dict[str, dict[str, float]]:
     """Instructions per request for every row, bare and wrapped; the two columns of a row run
-    in parallel (callgrind counts do not depend on load). `keep`: a folder for the callgrind
-    files (`callgrind_annotate ROW-WRAP.out.2` shows where the instructions go)."""
+    in parallel (callgrind counts do not depend on load). `server_name` "in-process": `loop()`.
+    `keep`: a folder for the callgrind files (`callgrind_annotate ROW-WRAP.out.2`)."""
     results: dict[str, dict[str, float]] = {}
+    delay = () if watch_delay is None else (str(watch_delay),)
+    served = server_name != "in-process"
     with tempfile.TemporaryDirectory(prefix="asgi-cancel-instr-") as name:
         folder = Path(name) if keep is None else keep
         folder.mkdir(parents=True, exist_ok=True)
         for row in rows:
-            ports = [free_port() for _ in WRAPS]
-            delay = () if watch_delay is None else (str(watch_delay),)
-            started = [
-                _spawn(folder / f"{row}-{wrap}.out", python, option or "", *child)
-                for wrap, port in zip(WRAPS, ports, strict=True)
-                for child in [("serve", server_name, row, wrap, str(port), *delay)]
-            ]
-            with ThreadPoolExecutor(len(ports)) as pool:
-                done = [pool.submit(drive, port, requests, connections) for port in ports]
-            errors = [error for future in done if (error := future.exception())]
-            results[row] = _counts(row, started, requests, errors)
+            started = {
+                wrap: _callgrind(folder / f"{row}-{wrap}.out", python, option, *child)
+                for wrap in WRAPS
+                for child in [
+                    ("serve", server_name, row, wrap, "PORT", *delay)
+                    if served
+                    else ("loop", row, wrap, str(requests))
+                ]
+            }
+            try:
+                if served:  # both clients at once, as both servers run at once
+                    for process in started.values():
+                        process.wait_ready()
+                    with ThreadPoolExecutor(len(WRAPS)) as pool:
+                        ports = [process.port for process in started.values()]
+                        list(pool.map(lambda port: drive(port, requests, connections), ports))
+                results[row] = {
+                    wrap: _count(process, requests) for wrap, process in started.items()
+                }
+            finally:
+                for process in started.values():
+                    process.stop()
     return results
 
 
@@ -341,8 +292,9 @@ def render(results: dict[str, dict[str, float]], server_name: str = "uvicorn") -
     for row, counts in results.items():
         bare, wrapped = counts["bare"], counts["asgi-cancel"]
         added, ratio = f"+{(wrapped - bare) / 1e3:,.1f} k", f"x{wrapped / bare:.3f}"
-        label = ROWS[row]
-        label = label.replace("asyncio.", "trio.") if server_name == "hypercorn-trio" else label
+        label = ROWS[row].replace("asyncio.", "trio." if "trio" in server_name else "asyncio.")
+        if server_name == "in-process" and row != "hello":
+            label = "awaits a future set on the next loop iteration"
         rows.append([label, f"{bare / 1e3:,.1f} k", f"{wrapped / 1e3:,.1f} k", added, ratio])
     headers = [f"{LABELS[server_name]}, instructions/request", "bare", "asgi-cancel"]
     text = table([*headers, "added", "ratio"], rows)
@@ -367,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
     parser.add_argument("--server", choices=SERVERS, default="uvicorn")
     parser.add_argument("--requests", type=int, default=REQUESTS)
-    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    rows_help = "default: all, or hello and sleep in process (the others await as sleep does)"
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), help=rows_help)
     parser.add_argument("--keep", type=Path, default=None)
     parser.add_argument("--connections", type=int, default=1, help="sending at once")
     delay_help = f"the middleware's option (default: its default x {CALLGRIND_SLOWDOWN})"
@@ -379,19 +332,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-process", action="store_true", help=in_process_help)
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parsed = parser.parse_args(args)
-    rows = tuple(parsed.rows)
-    if parsed.in_process:
-        results = run_in_process(parsed.requests, rows, parsed.python)
-        text = render(results).replace(LABELS["uvicorn"], "in process (uvloop)")
-        text = text.replace(ROWS["sleep"], "awaits a future set on the next loop iteration")
-    else:
-        options = (parsed.keep, parsed.watch_delay, parsed.connections, parsed.option)
-        results = run(parsed.requests, rows, *options, parsed.python, parsed.server)
-        text = render(results, parsed.server)
+    server_name = "in-process" if parsed.in_process else parsed.server
+    options = (parsed.keep, parsed.watch_delay, parsed.connections, parsed.option, parsed.python)
+    rows = parsed.rows or (["hello", "sleep"] if parsed.in_process else list(ROWS))
+    results = run(parsed.requests, tuple(rows), *options, server_name)
     found = versions(parsed.python)
+    text = render(results, server_name)
     emit(f"{text}\n\nPython {found['python']}, {parsed.requests:,} requests per column")
     if parsed.json:
-        server_name = "in-process" if parsed.in_process else parsed.server
         data = {"server": server_name, "requests": parsed.requests, "versions": found}
         data |= {"option": parsed.option, "results": results, "per_chunk": per_chunk(results)}
         parsed.json.write_text(json.dumps(data, indent=1) + "\n")
