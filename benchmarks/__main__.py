@@ -1,8 +1,7 @@
 """`python -m benchmarks overhead|latency|waste|memory|all|render|serving [--quick]`.
 
-`--quick` runs each benchmark small and short and checks what it measured: the command exits
-non-zero when a benchmark failed to run or produced nonsense (never on a speed: CI machines are
-noisy), which makes it CI's test of the benchmarks.
+`--quick` runs each benchmark small and exits non-zero when one failed or measured nonsense
+(never on a speed: CI machines are noisy): CI's test of the benchmarks.
 """
 
 from __future__ import annotations

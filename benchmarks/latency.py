@@ -1,13 +1,10 @@
 """2. Cancel latency: from the client's close (FIN or RST) to the app's `CancelledError`.
 
-Each variant serves `GET /slow?id=N`, which holds for `hold` seconds and appends a timestamped
-line to an events file the moment its work is cancelled (`time.monotonic()`: one clock for all
-processes on Linux). A client connects, sends the request, waits a seeded random 0.1-1.1 s (a
-full polling period, so that polling is caught at every phase) and closes, gracefully (FIN) or
-with `SO_LINGER 0` (RST). Latency = cancellation time - close time. Every variant runs in each
-batch at once, with the same delays, each on its own server process (all pinned to CPU 0), so
-that a stall of the shared machine hits every column alike. "never": the work ran to its end
-although the client had gone.
+`GET /slow?id=N` holds `hold` seconds and logs when its work is cancelled (`time.monotonic()`:
+one clock for all processes). A client sends it, waits a seeded random 0.1-1.1 s (a full polling
+period) and closes, with FIN or with `SO_LINGER 0` (RST). Every variant, each its own server on
+CPU 0, runs in each batch at once with the same delays: a stall of the machine hits them alike.
+"never": the work ran to its end although the client had gone.
 """
 
 from __future__ import annotations
@@ -145,12 +142,7 @@ def run(quick: bool) -> dict[str, Any]:
             name: asyncio.run(run_server(name, variants, settings, Path(folder)))
             for name in SERVERS
         }
-    return {
-        "settings": settings,
-        "variants": variants,
-        "skipped": skipped,
-        "results": results,
-    }
+    return {"settings": settings, "variants": variants, "skipped": skipped, "results": results}
 
 
 def check(data: dict[str, Any]) -> list[str]:
@@ -168,7 +160,7 @@ def render(data: dict[str, Any]) -> str:
     names = [name for name in SERVERS if name in data["results"]]
     rows = []
     for variant in data["variants"]:
-        row = [VARIANTS[variant].label]
+        row = [VARIANTS[variant]]
         for cell in (data["results"][name][close][variant] for name in names for close in CLOSES):
             notes = f" ({cell['never']} never)" if cell["never"] else ""
             notes += f" ({cell['not_started']} not started)" if cell["not_started"] else ""

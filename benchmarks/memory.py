@@ -1,13 +1,10 @@
 """4. Memory and leaks: many requests, each cancelled by a disconnect, in process.
 
-Each variant runs in a fresh interpreter (`python -m benchmarks.memory VARIANT ...`): requests
-start in batches, each parks in its work (a one-hour sleep), then every client disconnects and
-the harness waits for each request to end. The fake server behaves like uvicorn's
-`RequestResponseCycle`: the body at once, then a `receive()` that waits until the client
-leaves (or the response is complete) and returns `http.disconnect` to every caller, as often as
-asked; one task per request. Reported: RSS before and after (after two warm-up batches), RSS
-growth after the first tenth (a leak is a slope, a high-water mark a step at the start), tasks
-left, the change in `len(gc.get_objects())`, and objects only the cyclic collector frees.
+Each variant runs in a fresh interpreter (`python -m benchmarks.memory VARIANT N BATCH`): batches
+of requests park in their work, then every client leaves. The fake server acts like uvicorn's
+`RequestResponseCycle` (`http.disconnect` to every `receive()` once the client left). Reported:
+RSS, its growth after the first tenth (a leak is a slope), tasks and objects left, and the
+objects only the cyclic collector frees.
 """
 
 from __future__ import annotations
@@ -130,10 +127,7 @@ async def child(variant: str, requests: int, batch: int) -> dict[str, Any]:
 
 
 def _scope(index: int) -> dict[str, Any]:  # as uvicorn makes it
-    scope: dict[str, Any] = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-    }  # as uvicorn's
+    scope: dict[str, Any] = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
     scope |= {"http_version": "1.1", "method": "GET", "scheme": "http", "path": "/slow"}
     scope |= {"raw_path": b"/slow", "query_string": b"id=%d" % index, "root_path": ""}
     scope |= {"headers": [(b"host", b"127.0.0.1:8000")], "client": ("127.0.0.1", 50000)}
@@ -154,12 +148,8 @@ def run(quick: bool) -> dict[str, Any]:
             raise RuntimeError(f"memory {variant} failed:\n{done.stderr[-3000:]}")
         results[variant] = json.loads(done.stdout)
         emit(f"  {variant}: done in {results[variant]['seconds']:.1f} s")
-    return {
-        "settings": {"requests": requests, "batch": batch},
-        "variants": variants,
-        "skipped": skipped,
-        "results": results,
-    }
+    settings = {"requests": requests, "batch": batch}
+    return {"settings": settings, "variants": variants, "skipped": skipped, "results": results}
 
 
 def check(data: dict[str, Any]) -> list[str]:
@@ -180,7 +170,7 @@ def render(data: dict[str, Any]) -> str:
     mib = 1024 * 1024
     rows = [
         [
-            VARIANTS[variant].label,
+            VARIANTS[variant],
             f"{row['ended_by_disconnect']:,}/{row['requests']:,}",
             fmt(row["rss_before"] / mib),
             fmt((row["rss_after"] - row["rss_before"]) / mib),

@@ -1,14 +1,10 @@
 """1. Overhead: a hello world under real servers with wrk, and instructions per request.
 
-Every variant runs as its own server process pinned to CPU 0 (they idle until measured); wrk
-runs pinned to CPU 1 at fixed concurrency. Runs alternate (baseline, variant, baseline, next
-variant, ...) and each ratio is taken against the baseline run right before it, in the same
-interpreter group; the tables quote the medians over the repetitions. Server CPU per request is
-the server process's utime+stime over the run divided by wrk's request count. Each server also
-counts its garbage-collector runs: a middleware that keeps a request's objects alive past the
-request shows there long before it shows in CPU time. Last, `benchmarks.instructions`: the
-instructions per request inside uvicorn, bare and wrapped, for an app that never awaits and one
-that awaits 1 ms (callgrind: deterministic, unlike wall-clock on a shared machine).
+Each variant is its own server process on CPU 0, wrk runs on CPU 1 at fixed concurrency. Runs
+alternate (baseline, variant, baseline, next variant, ...), each ratio taken against the baseline
+run just before it; the tables quote medians over the repetitions. Server CPU per request is the
+server's utime+stime over the run / wrk's requests; each server counts its garbage collections (a
+request kept alive shows there before CPU time does). Last, `benchmarks.instructions`.
 """
 
 from __future__ import annotations
@@ -124,13 +120,9 @@ def run(quick: bool) -> dict[str, Any]:
     else:
         emit("overhead: instructions per request inside uvicorn (callgrind)")
         counts = instructions.run(requests=300 if quick else instructions.REQUESTS)
-    return {
-        "settings": {"repetitions": repetitions, "seconds_per_run": seconds, "connections": 32},
-        "groups": groups,
-        "skipped": skipped,
-        "servers": results,
-        "instructions": counts,
-    }
+    settings = {"repetitions": repetitions, "seconds_per_run": seconds, "connections": 32}
+    data = {"settings": settings, "groups": groups, "skipped": skipped, "servers": results}
+    return data | {"instructions": counts}
 
 
 def check(data: dict[str, Any]) -> list[str]:
@@ -164,7 +156,7 @@ def render(data: dict[str, Any]) -> str:
     names = [name for name in SERVERS if name in data["servers"]]
     rows = []
     for variant in (variant for variants in data["groups"].values() for variant in variants):
-        row = [VARIANTS[variant].label]
+        row = [VARIANTS[variant]]
         for name in names:
             cell = data["servers"][name][variant]
             errors = f" ({cell['errors']} errors)" if cell["errors"] else ""

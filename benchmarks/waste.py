@@ -1,17 +1,10 @@
 """3. Wasted work under overload: a simulated token generator behind uvicorn.
 
 64 clients send `GET /generate` at once to a variant serving `alternatives.TokenGenerator`
-(fixed step time, bounded batch, a queue: overloaded, most requests wait). Half of them, chosen
-by a seeded RNG, close their connection at a random moment; the others read their whole
-response. Per variant, with the same seeds:
-
-- wasted tokens: tokens generated for a departed client after it left (the generator
-  timestamps each token; the client its close; one clock);
-- steps after the disconnect per departed request (the bar: at most one);
-- orphans: departed requests never aborted, run to the end for nobody: finished with more
-  than the one step in flight at the close made after it (a request whose last token came as
-  its client left finished for that client, not for nobody);
-- for the clients that stayed: latency p50/p99 and their token throughput.
+(overloaded: most requests queue). Half of them (seeded) close their connection at a random
+moment. Per variant, same seeds: the tokens made after a client left, the steps after it left
+(the bar: one), orphans (requests that ran to the end for nobody: finished, with more than the
+step in flight at the close made after it), and the stayers' latency and token throughput.
 """
 
 from __future__ import annotations
@@ -153,12 +146,8 @@ def run(quick: bool) -> dict[str, Any]:
         | {"failed": sum(run["failed"] for run in these), "runs": these}
         for variant, these in runs.items()
     }
-    return {
-        "settings": settings | {"server": "uvicorn"},
-        "variants": variants,
-        "skipped": skipped,
-        "summary": summary,
-    }
+    settings = settings | {"server": "uvicorn"}
+    return {"settings": settings, "variants": variants, "skipped": skipped, "summary": summary}
 
 
 def check(data: dict[str, Any]) -> list[str]:
@@ -183,7 +172,7 @@ def render(data: dict[str, Any]) -> str:
         row = data["summary"][variant]
         rows.append(
             [
-                VARIANTS[variant].label,
+                VARIANTS[variant],
                 fmt(row["wasted_tokens"], 0),
                 fmt(row["wasted_steps_max"], 0),
                 f"{row['orphans']:.0f}/{row['departed']:.0f}",
