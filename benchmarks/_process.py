@@ -64,10 +64,9 @@ class Process:
         cwd: Path | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float = 60.0,
-        stop_signal: int = signal.SIGINT,  # uvicorn's and hypercorn's graceful shutdown
     ) -> None:
         self.argv, self.log, self.ready, self.cwd = argv, log, ready, cwd
-        self.env, self.timeout, self.stop_signal = dict(env or {}), timeout, stop_signal
+        self.env, self.timeout = dict(env or {}), timeout
         self.port, self.startup_s = 0, 0.0
         self.popen: subprocess.Popen[bytes] | None = None
 
@@ -109,7 +108,8 @@ class Process:
         popen, self.popen = self.popen, None
         if popen is None:
             return
-        for sent in (self.stop_signal, signal.SIGKILL):  # SIGKILL: what ignored the first
+        # SIGINT: uvicorn's and hypercorn's graceful shutdown; SIGKILL: what ignored it.
+        for sent in (signal.SIGINT, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(popen.pid, sent)
             with contextlib.suppress(subprocess.TimeoutExpired):

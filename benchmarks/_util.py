@@ -75,15 +75,10 @@ def results_dir(quick: bool) -> Path:
 
 def record(name: str, quick: bool, started: float, load_before: list[float]) -> dict[str, Any]:
     """The facts every result file starts with; the benchmark adds its settings and figures."""
-    return {
-        "benchmark": name,
-        "quick": quick,
-        "command": f"python -m benchmarks {name}" + (" --quick" if quick else ""),
-        "seconds": round(time.time() - started),
-        "load_before": load_before,
-        "load_after": loadavg(),
-        "machine": machine(),
-    }
+    command = f"python -m benchmarks {name}" + (" --quick" if quick else "")
+    data = {"benchmark": name, "quick": quick, "command": command, "load_before": load_before}
+    data |= {"seconds": round(time.time() - started), "load_after": loadavg()}
+    return data | {"machine": machine()}
 
 
 def _rounded(value: Any) -> Any:

@@ -141,10 +141,9 @@ def serve(name: str, row: str, wrap: str, port: int, watch_delay: float | None =
 
 
 def loop(row: str, wrap: str, requests: int) -> None:
-    """The in-process mode's child: no server, no sockets. A task per request (as a server
-    makes one), the app's `send` a no-op coroutine; the awaiting row awaits a future set on the
-    next loop iteration (no timer of its own). It reproduces uvicorn's added instructions to
-    ~0.2k in ~6 s, which makes it the loop for trying one change at a time."""
+    """The in-process mode's child: a task per request as a server makes one, no sockets, a
+    no-op `send`; the awaiting row awaits a future set on the next loop iteration (no timer).
+    Within ~0.2k of uvicorn's added instructions in ~6 s: the loop for trying a change."""
     import uvloop
 
     async def awaits(scope: Any, receive: Any, send: Any) -> None:

@@ -26,9 +26,7 @@ LATENCY_VARIANTS = [
     *("floor", "asgi-cancel", "vllm", "poll-1s", "poll-0.1s", "poll-1s+bhm", "poll-0.1s+bhm"),
     *("streaming", "fastapi-disconnect", "fastapi-disconnect-decorator"),
 ]
-QUICK_VARIANTS = (
-    "floor asgi-cancel vllm poll-0.1s poll-0.1s+bhm streaming fastapi-disconnect".split()
-)
+QUICK_VARIANTS = "floor asgi-cancel vllm poll-0.1s poll-0.1s+bhm streaming fastapi-disconnect"
 CLOSES = ("fin", "rst")
 MIN_DELAY = 0.1  # after the request: the app has started its work
 
@@ -83,16 +81,11 @@ async def run_server(
 ) -> dict[str, Any]:
     per_batch, hold = settings["per_batch"], settings["hold_s"]
     events = {variant: Path(folder) / f"{server_name}-{variant}.events" for variant in variants}
-    specs = {
-        variant: {"server": server_name, "variant": variant, "scenario": "slow"}
-        | {"cpu": 0, "hold": hold, "events": events[variant]}
-        for variant in variants
-    }
     cells: dict[str, dict[str, list[tuple[bool, float | None]]]] = {
         close: {variant: [] for variant in variants} for close in CLOSES
     }
     next_id = 0
-    with servers(specs) as started:
+    with servers(server_name, "slow", variants, cpu=0, hold=hold, events=events) as started:
         for path in events.values():
             path.touch()
         rounds = max(1, settings["samples"] // per_batch)
@@ -118,20 +111,14 @@ def summarize(samples: list[tuple[bool, float | None]]) -> dict[str, Any]:
     # the server had not read yet, so a server that lags behind the close never sees it.
     started = [latency for began, latency in samples if began]
     latencies = sorted(latency for latency in started if latency is not None)
-    return {
-        "n": len(started),
-        "cancelled": len(latencies),
-        "never": len(started) - len(latencies),
-        "not_started": len(samples) - len(started),
-        "p50_ms": percentile(latencies, 50),
-        "p99_ms": percentile(latencies, 99),
-        "latencies_ms": latencies,
-    }
+    counts = {"n": len(started), "cancelled": len(latencies), "latencies_ms": latencies}
+    counts |= {"never": len(started) - len(latencies), "not_started": len(samples) - len(started)}
+    return counts | {"p50_ms": percentile(latencies, 50), "p99_ms": percentile(latencies, 99)}
 
 
 def run(quick: bool) -> dict[str, Any]:
     skipped: dict[str, str] = {}
-    variants = runnable(QUICK_VARIANTS if quick else LATENCY_VARIANTS, skipped)
+    variants = runnable(QUICK_VARIANTS.split() if quick else LATENCY_VARIANTS, skipped)
     settings: dict[str, Any] = {"samples": 120, "per_batch": 20, "max_delay_s": 1.1, "hold_s": 3.0}
     if quick:
         settings = {"samples": 3, "per_batch": 3, "max_delay_s": 0.2, "hold_s": 0.6}

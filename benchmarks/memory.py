@@ -103,16 +103,11 @@ async def child(variant: str, requests: int, batch: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - clock
     await asyncio.sleep(0.05)  # helper tasks that were cancelled but not awaited finish now
     gc.collect()
-    result = {
-        "requests": requests,
-        "ended_by_disconnect": ended,
-        "seconds": elapsed,
-        "rss_before": rss_before,
-        "rss_after": rss_bytes(),
-        "rss_series": series,
-        "live_tasks_after": len(asyncio.all_tasks()) - own_tasks,
-        "gc_objects_delta": len(gc.get_objects()) - objects_before,
-    }
+    result: dict[str, Any] = {"requests": requests, "ended_by_disconnect": ended}
+    result |= {"seconds": elapsed, "rss_before": rss_before, "rss_after": rss_bytes()}
+    result["rss_series"] = series
+    result |= {"live_tasks_after": len(asyncio.all_tasks()) - own_tasks}
+    result["gc_objects_delta"] = len(gc.get_objects()) - objects_before
     # One more batch, to count what only the cyclic collector frees (exception and traceback
     # cycles): between collections, that garbage is what makes RSS climb.
     probe = min(batch, 500)
@@ -168,20 +163,15 @@ def late_growth(row: dict[str, Any]) -> float:
 
 def render(data: dict[str, Any]) -> str:
     mib = 1024 * 1024
-    rows = [
-        [
-            VARIANTS[variant],
-            f"{row['ended_by_disconnect']:,}/{row['requests']:,}",
-            fmt(row["rss_before"] / mib),
-            fmt((row["rss_after"] - row["rss_before"]) / mib),
-            fmt(late_growth(row) / mib),
-            row["live_tasks_after"],
-            f"{row['gc_objects_delta']:+,}",
-            fmt(row["cyclic_garbage_per_request"], 0),
-            fmt(row["seconds"] / row["requests"] * 1e6, 0),
-        ]
-        for variant, row in ((v, data["results"][v]) for v in data["variants"])
-    ]
+    rows: list[list[object]] = []
+    for variant in data["variants"]:
+        row = data["results"][variant]
+        rows.append([VARIANTS[variant], f"{row['ended_by_disconnect']:,}/{row['requests']:,}"])
+        growth = row["rss_after"] - row["rss_before"]
+        rows[-1] += [fmt(row["rss_before"] / mib), fmt(growth / mib)]
+        rows[-1] += [fmt(late_growth(row) / mib), row["live_tasks_after"]]
+        rows[-1] += [f"{row['gc_objects_delta']:+,}", fmt(row["cyclic_garbage_per_request"], 0)]
+        rows[-1].append(fmt(row["seconds"] / row["requests"] * 1e6, 0))
     settings = data["settings"]
     headers = ["variant", "ended by the disconnect", "RSS before MiB", "RSS growth MiB"]
     headers += ["RSS growth over the last 90% MiB", "live tasks after", "gc objects delta"]

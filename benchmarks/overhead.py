@@ -66,12 +66,7 @@ def run_server(
     ratios: dict[str, dict[str, list[float]]] = {}
     with TemporaryDirectory(prefix="asgi-cancel-gc-") as folder:
         gc_files = {variant: Path(folder) / f"{variant}.gc" for variant in runs}
-        specs = {
-            variant: {"server": server_name, "variant": variant, "scenario": "hello"}
-            | {"cpu": SERVER_CPU, "gc_file": gc_files[variant]}
-            for variant in runs
-        }
-        with servers(specs) as started:
+        with servers(server_name, "hello", runs, cpu=SERVER_CPU, gc_file=gc_files) as started:
             for variant, server in started.items() if warm_up else ():
                 warm[variant].append(wrk(server, 1))  # caches, lazy imports
             for repetition in range(repetitions):
@@ -91,15 +86,13 @@ def run_server(
     summary: dict[str, Any] = {}
     for variant, these in runs.items():
         served = sum(run["requests"] for run in these + warm[variant])
-        summary[variant] = {
-            "rps": median(run["rps"] for run in these),
-            "p99_ms": median(run["p99_us"] for run in these) / 1e3,
-            "cpu_us_per_request": median(run["cpu_us_per_request"] for run in these),
-            "errors": sum(run["errors"] + run["status_errors"] for run in these + warm[variant]),
-            "requests": served,
-            "gc_per_1000": [count * 1000 / max(1, served) for count in collections[variant]],
-            "ratios": ratios.get(variant, {}),
+        cell: dict[str, Any] = {
+            k: median(run[k] for run in these) for k in ("rps", "cpu_us_per_request")
         }
+        cell["p99_ms"] = median(run["p99_us"] for run in these) / 1e3
+        cell["errors"] = sum(run["errors"] + run["status_errors"] for run in these + warm[variant])
+        cell["gc_per_1000"] = [count * 1000 / max(1, served) for count in collections[variant]]
+        summary[variant] = cell | {"requests": served, "ratios": ratios.get(variant, {})}
     return summary
 
 

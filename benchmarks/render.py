@@ -6,7 +6,6 @@ docs/img/; `--quick` reads results/tmp/ and writes `tables.md` and the plot ther
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import matplotlib
@@ -35,17 +34,9 @@ def plot_latency(data: dict[str, Any]) -> Any:
         for index, variant in enumerate(names):
             for offset, close, marker in ((-0.15, "fin", "o"), (0.15, "rst", "x")):
                 cell = by_close[close][variant]
-                values = cell["latencies_ms"]
-                label = close.upper() if index == 0 else None
-                axis.scatter(
-                    [index + offset] * len(values),
-                    values,
-                    s=10,
-                    marker=marker,
-                    color=_color(variant),
-                    alpha=0.6,
-                    label=label,
-                )
+                values, label = cell["latencies_ms"], close.upper() if index == 0 else None
+                style = {"s": 10, "marker": marker, "color": _color(variant), "alpha": 0.6}
+                axis.scatter([index + offset] * len(values), values, label=label, **style)
                 if cell["never"]:
                     text = f"never\n{cell['never']}/{cell['n']}"
                     axis.annotate(text, (index, 2000.0), ha="center", fontsize=7, color="darkred")
@@ -59,12 +50,10 @@ def plot_latency(data: dict[str, Any]) -> Any:
     return figure
 
 
-TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "overhead": overhead.render,
-    "latency": latency.render,
-    "waste": waste.render,
-    "memory": memory.render,
-    "serving": serving.render,
+# What `python -m benchmarks` runs (`all`: every one but the last) and renders.
+BENCHMARKS: dict[str, Any] = {
+    module.__name__.rpartition(".")[2]: module
+    for module in (overhead, latency, waste, memory, serving)
 }
 
 
@@ -86,12 +75,12 @@ def main(quick: bool = False) -> dict[str, str]:
     folder = results_dir(quick)
     images = folder / "img" if quick else IMG
     blocks: dict[str, str] = {}
-    for name, render_table in TABLES.items():
+    for name, module in BENCHMARKS.items():
         data = load(name, folder)
         if data is None:
             emit(f"render: no {name} results in {folder}")
             continue
-        blocks[name] = render_table(data)
+        blocks[name] = module.render(data)
         blocks.setdefault("machine", machine_block(data))
         if name == "latency":
             images.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import atexit
 import gc
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -26,16 +26,18 @@ SERVERS = ("uvicorn", "hypercorn")
 
 
 @contextmanager
-def servers(specs: dict[Any, dict[str, Any]]) -> Iterator[dict[Any, Process]]:
-    """Start a server per spec (`server`, `variant`, `scenario`, and the child's options) at
-    once (they idle until measured), stop them all at the end."""
+def servers(
+    server: str, scenario: str, variants: Iterable[str], **options: Any
+) -> Iterator[dict[str, Process]]:
+    """A `server` process per variant serving `scenario`, with the child's `options` (a dict:
+    one value per variant), started at once (they idle until measured) and stopped at the end."""
     with TemporaryDirectory(prefix="asgi-cancel-bench-") as logs:
-        started: dict[Any, Process] = {}
+        started: dict[str, Process] = {}
         try:
-            for index, (key, spec) in enumerate(specs.items()):
-                started[key] = Process(
-                    _command(spec), log=Path(logs) / f"{index}.log", cwd=ROOT, timeout=60
-                ).spawn()
+            for index, variant in enumerate(variants):
+                argv = _command(server, variant, scenario, options)
+                log = Path(logs) / f"{index}.log"
+                started[variant] = Process(argv, log=log, cwd=ROOT, timeout=60).spawn()
             for process in started.values():
                 process.wait_ready()
             yield started
@@ -44,14 +46,11 @@ def servers(specs: dict[Any, dict[str, Any]]) -> Iterator[dict[Any, Process]]:
                 process.stop()
 
 
-def _command(spec: dict[str, Any]) -> Any:
-    options = dict(spec)
-    head = [options.pop(key) for key in ("server", "variant", "scenario")]
-    interpreter = python(head[1])
-
+def _command(server: str, variant: str, scenario: str, options: dict[str, Any]) -> Any:
     def argv(port: int) -> list[str]:
-        command = [interpreter, "-m", "benchmarks.serve", *head, str(port)]
+        command = [python(variant), "-m", "benchmarks.serve", server, variant, scenario, str(port)]
         for key, value in options.items():
+            value = value[variant] if isinstance(value, dict) else value
             command += [f"--{key.replace('_', '-')}", str(value)]
         return command
 

@@ -302,21 +302,14 @@ def run_tools(settings: dict[str, Any], work: Path, install: bool) -> dict[str, 
     with engine_lock(), contextlib.ExitStack() as stack:
         pair: dict[str, Process] = {}
         for variant in VARIANTS:  # one start after the other: never two at once on 2 cores
-            server = Process(
-                vllm_argv(variant),
-                log=work / f"{variant}.log",
-                ready=answers("/health"),
-                env=VLLM_ENV,
-                timeout=300,
-            )
+            log, ready = work / f"{variant}.log", answers("/health")
+            server = Process(vllm_argv(variant), log=log, ready=ready, env=VLLM_ENV, timeout=300)
             pair[variant] = stack.enter_context(server)
+        body = json.dumps({"model": "tiny-llama", "prompt": "warm up", "max_tokens": 8}).encode()
         for server in pair.values():  # vLLM's first requests are slower: lazy set-up
-            body = json.dumps({"model": "tiny-llama", "prompt": "warm up", "max_tokens": 8})
             url = f"http://127.0.0.1:{server.port}/v1/completions"
-            headers = {"Content-Type": "application/json"}
-            urllib.request.urlopen(
-                urllib.request.Request(url, body.encode(), headers), timeout=120
-            ).close()
+            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=120).close()
         emit("serving: vllm bench serve ...")
         data: dict[str, Any] = {"startup_s": {v: round(s.startup_s, 1) for v, s in pair.items()}}
         data["vllm_bench"] = run_vllm_bench(pair, settings, work)
@@ -329,10 +322,8 @@ def check(data: dict[str, Any]) -> list[str]:
     """--require-tools: vLLM, its benchmark and AIPerf all ran and produced figures."""
     if data["skipped"]:
         return list(data["skipped"].values())
-    parts = ("vllm_bench", "cancellation")
-    problems = [
-        f"{part}: {data[part]['status']}" for part in parts if data[part]["status"] != "ran"
-    ]
+    parts = [data["vllm_bench"], data["cancellation"]]
+    problems = [part["status"] for part in parts if part["status"] != "ran"]
     for variants in data["vllm_bench"].get("runs", {}).values():
         runs = [run for runs in variants.values() for run in runs]
         problems += [f"vllm bench serve: {run}" for run in runs if not run["completed"]]

@@ -89,18 +89,11 @@ async def one_run(port: int, plans: list[dict[str, Any]], settle: float) -> dict
             latencies.append(entry["ended"] - start)
             stayer_tokens += plan["tokens"]
             last_end = max(last_end, entry["ended"])
-    return {
-        "departed": len(wasted),
-        "stayed": len(latencies),
-        "failed": failed,
-        "wasted_tokens": sum(wasted),
-        "wasted_steps_max": max(wasted, default=0),
-        "orphans": orphans,
-        "unfinished_after_settle": stats["unfinished"],
-        "stayer_p50_s": percentile(latencies, 50),
-        "stayer_p99_s": percentile(latencies, 99),
-        "stayer_tokens_per_s": stayer_tokens / max(1e-9, last_end - start),
-    }
+    result: dict[str, Any] = {"departed": len(wasted), "stayed": len(latencies), "failed": failed}
+    result |= {"wasted_tokens": sum(wasted), "wasted_steps_max": max(wasted, default=0)}
+    result |= {"orphans": orphans, "unfinished_after_settle": stats["unfinished"]}
+    result |= {"stayer_p50_s": percentile(latencies, 50), "stayer_p99_s": percentile(latencies, 99)}
+    return result | {"stayer_tokens_per_s": stayer_tokens / max(1e-9, last_end - start)}
 
 
 def make_plans(seed: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
@@ -120,10 +113,7 @@ def make_plans(seed: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
 async def run_all(variants: list[str], settings: dict[str, Any]) -> dict[str, list[Any]]:
     runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
     options = {"cpu": 0, "step_time": settings["step_time"], "max_batch": settings["max_batch"]}
-    specs = {
-        v: {"server": "uvicorn", "variant": v, "scenario": "engine"} | options for v in variants
-    }
-    with servers(specs) as started:
+    with servers("uvicorn", "engine", variants, **options) as started:
         for repetition in range(settings["repetitions"]):
             plans = make_plans(1000 + repetition, settings)
             shift = repetition % len(variants)  # no variant always runs first
@@ -166,22 +156,14 @@ def check(data: dict[str, Any]) -> list[str]:
 
 
 def render(data: dict[str, Any]) -> str:
-    rows = []
+    rows: list[list[object]] = []
     base = data["summary"].get("baseline", {}).get("stayer_tokens_per_s", float("nan"))
     for variant in data["variants"]:
         row = data["summary"][variant]
-        rows.append(
-            [
-                VARIANTS[variant],
-                fmt(row["wasted_tokens"], 0),
-                fmt(row["wasted_steps_max"], 0),
-                f"{row['orphans']:.0f}/{row['departed']:.0f}",
-                fmt(row["stayer_p50_s"], 2),
-                fmt(row["stayer_p99_s"], 2),
-                fmt(row["stayer_tokens_per_s"], 0),
-                fmt(row["stayer_tokens_per_s"] / base, 2),
-            ]
-        )
+        rate, wasted = row["stayer_tokens_per_s"], fmt(row["wasted_tokens"], 0)
+        rows.append([VARIANTS[variant], wasted, fmt(row["wasted_steps_max"], 0)])
+        rows[-1] += [f"{row['orphans']:.0f}/{row['departed']:.0f}", fmt(row["stayer_p50_s"], 2)]
+        rows[-1] += [fmt(row["stayer_p99_s"], 2), fmt(rate, 0), fmt(rate / base, 2)]
     settings = data["settings"]
     header = (
         f"**wasted work**: {settings['clients']} clients, half leave early; step "
