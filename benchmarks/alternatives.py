@@ -71,13 +71,10 @@ def runnable(variants: list[str], skipped: dict[str, str]) -> list[str]:
 
 
 class TokenGenerator:
-    """The wasted-work benchmark's engine, continuous batching in miniature.
-
-    A request gets `tokens` tokens, one every `step` seconds, once one of `batch` slots is free
-    (the others wait, first come first served). Each token is timestamped, so that the harness
-    counts those made after the client left; like vLLM's `generate()`, a request whose task is
-    cancelled (or whose stream is closed) is aborted and frees its slot at once.
-    """
+    """The wasted-work benchmark's engine, continuous batching in miniature: a request gets
+    `tokens` tokens, one every `step` seconds, once one of `batch` slots is free (first come,
+    first served), each timestamped; as in vLLM's `generate()`, a cancelled request (or closed
+    stream) is aborted and frees its slot at once."""
 
     def __init__(self, step: float, batch: int) -> None:
         self.step = step
@@ -203,30 +200,22 @@ def build(
     elif base == "passthrough":
         app.add_middleware(PassThroughMiddleware)
     elif base == "fastapi-disconnect":
-        app.add_middleware(
-            importlib.import_module("fastapi_disconnect").CancelOnDisconnectMiddleware
-        )
+        fastapi_disconnect = importlib.import_module("fastapi_disconnect")
+        app.add_middleware(fastapi_disconnect.CancelOnDisconnectMiddleware)
     return app
 
 
 def _hello(streaming: bool, needs_request: bool) -> Handler:
-    if streaming:
+    async def hello_streaming() -> StreamingResponse:
+        return StreamingResponse(iter([b'{"hello":"world"}']), media_type="application/json")
 
-        async def hello_streaming() -> StreamingResponse:
-            return StreamingResponse(iter([b'{"hello":"world"}']), media_type="application/json")
-
-        return hello_streaming
-    if needs_request:  # the decorators find the request in this argument
-
-        async def hello_with_request(raw_request: Request) -> dict[str, str]:
-            return {"hello": "world"}
-
-        return hello_with_request
+    async def hello_with_request(raw_request: Request) -> dict[str, str]:
+        return {"hello": "world"}  # the decorators find the request in `raw_request`
 
     async def hello() -> dict[str, str]:
         return {"hello": "world"}
 
-    return hello
+    return hello_streaming if streaming else hello_with_request if needs_request else hello
 
 
 Work = Callable[[int, int], AsyncIterator[int]]
@@ -248,27 +237,21 @@ def _slow(hold: float, record: Recorder) -> Work:
 
 def _handler(work: Work, streaming: bool, needs_request: bool) -> Handler:
     """`work`'s items streamed (`streaming`) or counted into one JSON answer."""
-    if streaming:
 
-        async def streamed(id: int, tokens: int = 1) -> StreamingResponse:
-            async def body() -> AsyncIterator[bytes]:
-                async for item in work(id, tokens):
-                    yield b"%d\n" % item
+    async def streamed(id: int, tokens: int = 1) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            async for item in work(id, tokens):
+                yield b"%d\n" % item
 
-            return StreamingResponse(body(), media_type="text/plain")
-
-        return streamed
+        return StreamingResponse(body(), media_type="text/plain")
 
     async def counted(id: int, tokens: int = 1) -> dict[str, int]:
         return {"id": id, "tokens": len([item async for item in work(id, tokens)])}
 
-    if needs_request:
+    async def counted_with_request(raw_request: Request, id: int, tokens: int = 1) -> Any:
+        return await counted(id, tokens)
 
-        async def counted_with_request(raw_request: Request, id: int, tokens: int = 1) -> Any:
-            return await counted(id, tokens)
-
-        return counted_with_request
-    return counted
+    return streamed if streaming else counted_with_request if needs_request else counted
 
 
 def _engine_admin(app: FastAPI, engine: TokenGenerator) -> None:
@@ -284,11 +267,8 @@ def _engine_admin(app: FastAPI, engine: TokenGenerator) -> None:
 
 
 # -- bare ASGI apps --------------------------------------------------------------------------
-_HELLO_START = {
-    "type": "http.response.start",
-    "status": 200,
-    "headers": [(b"content-type", b"application/json"), (b"content-length", b"17")],
-}
+_HELLO_HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"17")]
+_HELLO_START = {"type": "http.response.start", "status": 200, "headers": _HELLO_HEADERS}
 _HELLO_BODY = {"type": "http.response.body", "body": b'{"hello":"world"}'}
 
 

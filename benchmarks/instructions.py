@@ -32,12 +32,8 @@ ROWS = {
     "watched": "awaits asyncio.sleep(0.02) (watched), then answers",
     "stream": "awaits asyncio.sleep(0.02), then 64 SSE chunks, yielding before each",
 }
-LABELS = {
-    "uvicorn": "uvicorn (httptools, uvloop)",
-    "hypercorn": "hypercorn (asyncio, h11)",
-    "hypercorn-trio": "hypercorn (trio, h11)",
-    "in-process": "in process (uvloop)",
-}
+LABELS = {"uvicorn": "uvicorn (httptools, uvloop)", "hypercorn": "hypercorn (asyncio, h11)"}
+LABELS |= {"hypercorn-trio": "hypercorn (trio, h11)", "in-process": "in process (uvloop)"}
 # The stream row's chunks: what an LLM server's token stream looks like to the middleware.
 CHUNKS = 64
 WRAPS = ("bare", "asgi-cancel")
@@ -277,8 +273,7 @@ def run(
 
 
 def per_chunk(results: dict[str, dict[str, float]]) -> dict[str, float] | None:
-    """What each streamed chunk costs: (the stream row - the watched row) / CHUNKS, bare, and
-    added by the middleware."""
+    """What a streamed chunk costs, bare and added: (the stream row - the watched row) / CHUNKS."""
     if not {"stream", "watched"} <= results.keys():
         return None
     stream, watched = results["stream"], results["watched"]

@@ -81,9 +81,7 @@ async def run_server(
 ) -> dict[str, Any]:
     per_batch, hold = settings["per_batch"], settings["hold_s"]
     events = {variant: Path(folder) / f"{server_name}-{variant}.events" for variant in variants}
-    cells: dict[str, dict[str, list[tuple[bool, float | None]]]] = {
-        close: {variant: [] for variant in variants} for close in CLOSES
-    }
+    cells: dict[str, dict[str, list[Any]]] = {c: {v: [] for v in variants} for c in CLOSES}
     next_id = 0
     with servers(server_name, "slow", variants, cpu=0, hold=hold, events=events) as started:
         for path in events.values():
@@ -97,9 +95,8 @@ async def run_server(
                 for variant in variants:  # every variant at once: a stall hits them alike
                     ids = range(next_id, next_id + per_batch)
                     next_id += per_batch
-                    jobs.append(
-                        batch(started[variant].port, events[variant], ids, close, delays, hold)
-                    )
+                    port = started[variant].port
+                    jobs.append(batch(port, events[variant], ids, close, delays, hold))
                 for variant, samples in zip(variants, await asyncio.gather(*jobs), strict=True):
                     cells[close][variant] += samples
             emit(f"  {server_name}: round {round_number + 1}/{rounds} done")

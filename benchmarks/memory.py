@@ -136,8 +136,7 @@ def run(quick: bool) -> dict[str, Any]:
     emit(f"memory: {requests:,} cancelled requests per variant, in process")
     results: dict[str, Any] = {}
     for variant in variants:
-        argv = ["-m", "benchmarks.memory", variant, str(requests), str(batch)]
-        command = [python(variant), *argv]
+        command = [python(variant), "-m", "benchmarks.memory", variant, str(requests), str(batch)]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"memory {variant} failed:\n{done.stderr[-3000:]}")

@@ -42,11 +42,9 @@ def wrk(server: Process, seconds: int, connections: int = 32) -> dict[str, Any]:
     """wrk's summary (wrk_report.lua), and the server's CPU time per request over the run."""
     command = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "5s"]
     command = ["taskset", "-c", str(CLIENT_CPU), *command] if shutil.which("taskset") else command
+    command += ["-s", str(LUA), f"http://127.0.0.1:{server.port}/"]
     cpu = cpu_seconds(server.pid)
-    url = f"http://127.0.0.1:{server.port}/"
-    done = subprocess.run(
-        [*command, "-s", str(LUA), url], capture_output=True, text=True, timeout=seconds + 30
-    )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 30)
     match = re.search(r"^JSON (\{.*\})$", done.stdout, re.MULTILINE)
     if match is None:
         raise RuntimeError(f"wrk printed no summary:\n{done.stdout}{done.stderr}")

@@ -59,16 +59,12 @@ BENCHMARKS: dict[str, Any] = {
 
 def machine_block(data: dict[str, Any]) -> str:
     info = data["machine"]
-    lines = [
-        f"- CPU: {info['cpu']}, {info['cores']} cores (shared with other jobs), "
-        f"{info['memory_gb']} GB RAM, Linux {info['kernel']}"
-    ]
+    text = f"- CPU: {info['cpu']}, {info['cores']} cores (shared with other jobs), "
+    text += f"{info['memory_gb']} GB RAM, Linux {info['kernel']}"
     for key, name in (("versions", "Python 3.11 venv"), ("versions_py312", "Python 3.12 venv")):
-        if key in info:
-            lines.append(
-                f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(info[key].items()))
-            )
-    return "\n".join(lines)
+        if found := sorted(info.get(key, {}).items()):
+            text += f"\n- {name}: " + ", ".join(f"{k} {v}" for k, v in found)
+    return text
 
 
 def main(quick: bool = False) -> dict[str, str]:

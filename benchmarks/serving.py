@@ -76,19 +76,15 @@ def metric(port: int, *names: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         lines = response.read().decode().splitlines()
     samples = [line for line in lines if line and not line.startswith("#")]
-    return sum(
-        float(s.rpartition(" ")[2]) for s in samples if s.split("{")[0].split(" ")[0] in names
-    )
+    named = [sample for sample in samples if sample.split("{")[0].split(" ")[0] in names]
+    return sum((float(sample.rpartition(" ")[2]) for sample in named), 0.0)
 
 
 # The engine's own counts, per AIPerf run: every generation token; the tokens of the requests
 # that ran to their end (a histogram's sum: vLLM observes a request there when it finishes, never
 # when it is aborted); the requests that ran to their end.
-ENGINE_COUNTS = (
-    "vllm:generation_tokens_total",
-    "vllm:request_generation_tokens_sum",
-    "vllm:request_success_total",
-)
+ENGINE_COUNTS = ["vllm:generation_tokens_total", "vllm:request_generation_tokens_sum"]
+ENGINE_COUNTS += ["vllm:request_success_total"]
 
 
 def engine_counts(server: Process) -> dict[str, float]:

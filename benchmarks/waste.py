@@ -99,15 +99,12 @@ async def one_run(port: int, plans: list[dict[str, Any]], settle: float) -> dict
 def make_plans(seed: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     clients = settings["clients"]
-    leavers = set(rng.sample(range(clients), clients // 2))
-    return [
-        {
-            "id": index,
-            "tokens": rng.randint(*settings["tokens"]),
-            "leave_at": rng.uniform(*settings["leave_window"]) if index in leavers else None,
-        }
-        for index in range(clients)
-    ]
+    leavers, plans = set(rng.sample(range(clients), clients // 2)), []
+    for index in range(clients):  # the draws in this order: the seeds give the same plans
+        tokens = rng.randint(*settings["tokens"])
+        leave_at = rng.uniform(*settings["leave_window"]) if index in leavers else None
+        plans.append({"id": index, "tokens": tokens, "leave_at": leave_at})
+    return plans
 
 
 async def run_all(variants: list[str], settings: dict[str, Any]) -> dict[str, list[Any]]:
@@ -118,9 +115,8 @@ async def run_all(variants: list[str], settings: dict[str, Any]) -> dict[str, li
             plans = make_plans(1000 + repetition, settings)
             shift = repetition % len(variants)  # no variant always runs first
             for variant in variants[shift:] + variants[:shift]:
-                runs[variant].append(
-                    await one_run(started[variant].port, plans, settings["settle"])
-                )
+                port = started[variant].port
+                runs[variant].append(await one_run(port, plans, settings["settle"]))
             emit(f"  repetition {repetition + 1}/{settings['repetitions']} done")
     return runs
 
