@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     delay_help = f"the middleware's option (default: its default x {CALLGRIND_SLOWDOWN})"
     parser.add_argument("--watch-delay", type=float, help=delay_help)
     parser.add_argument("--option", choices=OPTIONS, help="a middleware option to turn on")
-    python_help = "the interpreter that runs the server (with it, its extras and asgi-cancel)"
+    python_help = "the interpreter the server runs in (it needs the server and asgi-cancel)"
     parser.add_argument("--python", default=sys.executable, help=python_help)
     in_process_help = "count in a loop without a server (~6 s: for trying changes)"
     parser.add_argument("--in-process", action="store_true", help=in_process_help)
