@@ -121,6 +121,34 @@ async def test_request_does_not_unwind_around_a_running_thread(
     ]
 
 
+@pytest.mark.parametrize(
+    ("anyio_backend", "runner"),
+    [("asyncio", name) for name in THREAD_RUNNERS] + [("trio", name) for name in ANYIO_RUNNERS],
+    ids=lambda value: str(value),
+)
+async def test_a_loop_of_thread_calls_and_sends_stops_after_the_running_thread(
+    anyio_backend: str, runner: str
+) -> None:
+    """A generation stepped in a worker thread, each chunk sent: the cancellation lands at the
+    send after the running thread (asyncio's thread calls await nothing else in between)."""
+    stepped: list[int] = []
+
+    def step() -> None:
+        time.sleep(0.02)
+        stepped.append(len(stepped))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(100):
+            await THREAD_RUNNERS[runner](step)
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+
+    conn = await leave(CancelOnDisconnectMiddleware(app), when=lambda: len(stepped) == 3)
+    assert conn.app_exception is None
+    assert len(stepped) <= 5, stepped  # without the checkpoint: all 100
+
+
 @pytest.mark.parametrize("endpoint_kind", ["def", "async def"])
 async def test_fastapi_yield_dependency_torn_down_after_the_thread(endpoint_kind: str) -> None:
     """The usual `get_db()` dependency: closed only once the endpoint's thread is done."""
