@@ -10,7 +10,6 @@ from contextlib import ExitStack, contextmanager
 import pytest
 
 from ..servers.client import fetch
-from ..servers.events import Event
 from ..servers.runner import Server, ServerSpec, serving
 
 Deployment = dict[bool, Server]  # one framework's app under one server: with the middleware?
@@ -37,16 +36,6 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deploy]:
         for deployment in started.values():
             for server in deployment.values():
                 assert_clean_log(server)
-
-
-def of(events: list[Event], name: str) -> list[Event]:
-    return [event for event in events if event["event"] == name]
-
-
-def one(events: list[Event], name: str) -> Event:
-    found = of(events, name)
-    assert len(found) == 1, f"expected one {name!r} event, got {found}; all: {events}"
-    return found[0]
 
 
 def assert_clean_log(server: Server) -> None:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from ..servers.checks import WATCHDOG, assert_not_cancelled, leave
+from ..servers.checks import WATCHDOG, assert_not_cancelled, leave, of, one
 from ..servers.client import FIN, close, connect, fetch, new_id, read_response, send_request
 from ..servers.latency import Latencies
 from ..servers.runner import HYPERCORN_ASYNCIO, UVICORN_HTTPTOOLS, ServerSpec
-from .deployment import MIDDLEWARE, Deploy, assert_clean_log, of, one
+from .deployment import MIDDLEWARE, Deploy, assert_clean_log
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 

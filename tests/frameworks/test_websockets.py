@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from ..servers.checks import WATCHDOG
+from ..servers.checks import WATCHDOG, of, one
 from ..servers.client import new_id
 from ..servers.latency import Latencies
 from ..servers.runner import DAPHNE, HYPERCORN_ASYNCIO, ServerSpec
 from ..servers.ws_client import CLOSE_1000, WebSocket
-from .deployment import MIDDLEWARE, Deploy, assert_clean_log, of, one
+from .deployment import MIDDLEWARE, Deploy, assert_clean_log
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(60)]
 

@@ -98,6 +98,16 @@ def assert_not_cancelled(server: Server, rid: str, *, finished: str) -> Event:
     return finished_event
 
 
+def of(events: list[Event], name: str) -> list[Event]:
+    return [event for event in events if event["event"] == name]
+
+
+def one(events: list[Event], name: str) -> Event:
+    found = of(events, name)
+    assert len(found) == 1, f"expected one {name!r} event, got {found}; all: {events}"
+    return found[0]
+
+
 def assert_settled(server: Server, running: str = "/inflight") -> None:
     """Nothing is left running (`running` answers how many requests or sessions are), and a
     probe on another connection is answered at once (the median of three)."""
