@@ -79,10 +79,8 @@ def assert_cancelled(
     assert hooks[0]["reason"] == "client disconnected"
     assert not server.events.of(rid, "done")
     assert closed_at < hooks[0]["t"] <= cancelled["t"] <= exit_event["t"]
-    fired = hooks[0]["t"] - closed_at
-    latencies.add(
-        server.spec.name, scenario, close, cancel_s=cancelled["t"] - closed_at, fired_s=fired
-    )
+    stopped, fired = cancelled["t"], hooks[0]["t"]
+    latencies.add(server.spec.name, scenario, close, closed_at, stopped=stopped, fired=fired)
     server.assert_no_traceback()
     return cancelled
 

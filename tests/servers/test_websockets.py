@@ -144,10 +144,7 @@ def assert_session_cancelled(
     assert not of(events, "sent"), events  # it never ran to its end
     assert closed_at < hook["t"] <= ended["t"] <= exit_event["t"]
     assert ended["t"] - closed_at < CANCEL_BOUND
-    fired_s = hook["t"] - closed_at
-    latencies.add(
-        server.spec.name, scenario, leave, cancel_s=ended["t"] - closed_at, fired_s=fired_s
-    )
+    latencies.add(server.spec.name, scenario, leave, closed_at, stopped=ended["t"], fired=hook["t"])
 
 
 # -- an app busy sending --------------------------------------------------------------------------
@@ -239,11 +236,8 @@ def test_listening_session_ends_by_itself(
     assert disconnect["token_cancelled"] is True
     assert closed_at < hooks[0]["t"] <= done["t"]
     assert done["t"] - closed_at < CANCEL_BOUND
-    fired_s = hooks[0]["t"] - closed_at
-    latencies.add(
-        server.spec.name, "ws chat (ends itself)", leave, cancel_s=done["t"] - closed_at,
-        fired_s=fired_s,
-    )  # fmt: skip
+    scenario, fired = "ws chat (ends itself)", hooks[0]["t"]
+    latencies.add(server.spec.name, scenario, leave, closed_at, stopped=done["t"], fired=fired)
 
 
 # -- the handshake --------------------------------------------------------------------------------
