@@ -210,18 +210,13 @@ def parse(data: bytes) -> tuple[Frame, int] | None:
     """The first whole (unmasked, server) frame in `data` and the bytes it used, or None."""
     if len(data) < 2:
         return None
-    opcode, length, used = data[0] & 0x0F, data[1] & 0x7F, 2
-    if length == 126:
-        if len(data) < 4:
-            return None
-        length, used = struct.unpack("!H", data[2:4])[0], 4
-    elif length == 127:
-        if len(data) < 10:
-            return None
-        length, used = struct.unpack("!Q", data[2:10])[0], 10
+    length, used = data[1] & 0x7F, 2
+    if length >= 126:  # the length follows: 16 bits (126) or 64 (127)
+        used += 2 if length == 126 else 8
+        length = int.from_bytes(data[2:used], "big")  # if cut short, None follows
     if len(data) < used + length:
         return None
-    return Frame(opcode, data[used : used + length]), used + length
+    return Frame(data[0] & 0x0F, data[used : used + length]), used + length
 
 
 def start_handshake(
