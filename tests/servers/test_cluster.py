@@ -140,8 +140,6 @@ def test_an_unknown_id_answers_404_within_the_bounded_wait(
 
 
 def test_two_servers_as_two_machines(environment: None, tmp_path: Path) -> None:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
     with (
         running_server(ONE, TARGET, tmp_path / "a") as a,
         running_server(ONE, TARGET, tmp_path / "b") as b,
@@ -212,8 +210,6 @@ def test_a_frozen_redis_is_logged_once_and_cancels_are_answered_at_once(
     "unreachable"`, not after the broker's `wait` (2 s); requests are served and a cancel
     through the holder works. Resumed, cancels reach across again."""
     (tmp_path / "redis").mkdir()
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
     with running_redis(tmp_path / "redis") as redis:
         monkeypatch.setenv("ASGI_CANCEL_REDIS_URL", redis.url)
         monkeypatch.setenv("ASGI_CANCEL_REDIS_HEALTH", str(FROZEN_HEALTH))
