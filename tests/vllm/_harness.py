@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -195,12 +195,3 @@ def report(section: str, measured: dict[str, Any]) -> None:
     if path.name:
         previous = json.loads(path.read_text()) if path.exists() else {}
         path.write_text(json.dumps(previous | {section: measured}, indent=2))
-
-
-@contextlib.contextmanager
-def timed(label: str, into: dict[str, float]) -> Iterator[None]:
-    start = time.monotonic()
-    try:
-        yield
-    finally:
-        into[label] = time.monotonic() - start
