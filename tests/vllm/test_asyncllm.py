@@ -103,7 +103,14 @@ def check_left_engine(server: EngineServer, request_id: str, closed_at: float) -
     }
 
 
-def test_disconnect_mid_stream(server: EngineServer) -> None:
+def test_disconnect_mid_stream_and_the_token_usage_agrees_with_the_engine(
+    server: EngineServer,
+) -> None:
+    """`asgi_cancel.vllm.generate` counts a request cancelled mid-generation into
+    `current_token().usage` as the EngineCore saw it: the prompt it was given, the tokens it
+    generated (all of them reached the app: vLLM drops none here), and those generated once
+    the token fired."""
+    probe = server.probe
     request_id = new_id("stream")
     client = RawClient(server.port).post(
         "/mw/generate", request(request_id, stream=True, api="helper")
@@ -112,20 +119,6 @@ def test_disconnect_mid_stream(server: EngineServer) -> None:
     measured = check_left_engine(server, request_id, client.close())
     assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
     MEASURED["stream"] = measured
-
-
-def test_token_usage_agrees_with_the_engine(server: EngineServer) -> None:
-    """`asgi_cancel.vllm.generate` counts a request cancelled mid-generation into
-    `current_token().usage` as the EngineCore saw it: the prompt it was given, the tokens it
-    generated (all of them reached the app: vLLM drops none here), and those generated once
-    the token fired."""
-    probe = server.probe
-    request_id = new_id("usage")
-    client = RawClient(server.port).post(
-        "/mw/generate", request(request_id, stream=True, api="helper")
-    )
-    client.read_until(lambda response: lines(response) >= 20)
-    check_left_engine(server, request_id, client.close())
     wait_for(lambda: request_id in probe.usage, 5, "the request to be over")
     prompt, completion, after_cancel = probe.usage[request_id]
     fired = probe.fired[request_id]
