@@ -1,26 +1,17 @@
 """`python -m benchmarks overhead|latency|waste|memory|all|render|serving [--quick]`.
 
-`--quick` runs each benchmark small and short and checks what it measured: the command exits
-non-zero when a benchmark failed to run or produced nonsense (never on a speed: CI machines are
-noisy), which makes it CI's test of the benchmarks.
+`--quick` runs each benchmark small and exits non-zero when one failed or measured nonsense
+(never on a speed: CI machines are noisy): CI's test of the benchmarks.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
 
-from . import latency, memory, overhead, render, serving, waste
+from . import render
 from ._util import emit, loadavg, record, save
-
-BENCHMARKS: dict[str, Any] = {  # `all` runs every one but the last
-    "overhead": overhead,
-    "latency": latency,
-    "waste": waste,
-    "memory": memory,
-    "serving": serving,
-}
+from .render import BENCHMARKS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,10 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         module = BENCHMARKS[name]
         began, load_before = time.time(), loadavg()
-        if name == "serving":
-            figures = serving.run(args.quick, install=not args.no_install)
-        else:
-            figures = module.run(args.quick)
+        options = {"install": not args.no_install} if name == "serving" else {}
+        figures = module.run(args.quick, **options)
         data = record(name, args.quick, began, load_before) | figures
         emit(module.render(data))
         emit(f"results: {save(data)}")

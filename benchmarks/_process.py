@@ -2,13 +2,15 @@
 
 `Process(argv, log=...)` starts `argv(port)` in its own process group with its output in `log`,
 `wait_ready()` waits until `ready(port)` answers (or the process exits), `stop()` signals the
-whole group (vLLM forks engine processes), then kills what is left. Standard library only: the
-serving benchmark runs it in vLLM's venv too.
+whole group (vLLM forks engine processes), then kills what is left. `server()` is the child's
+side. Standard library only at import: the serving benchmark runs it in vLLM's venv too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import http.client
 import os
 import signal
@@ -17,8 +19,10 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 HOST = "127.0.0.1"
+SERVERS = ("uvicorn", "hypercorn", "hypercorn-trio")
 
 
 def free_port() -> int:
@@ -60,10 +64,9 @@ class Process:
         cwd: Path | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float = 60.0,
-        stop_signal: int = signal.SIGINT,  # uvicorn's and hypercorn's graceful shutdown
     ) -> None:
         self.argv, self.log, self.ready, self.cwd = argv, log, ready, cwd
-        self.env, self.timeout, self.stop_signal = dict(env or {}), timeout, stop_signal
+        self.env, self.timeout = dict(env or {}), timeout
         self.port, self.startup_s = 0, 0.0
         self.popen: subprocess.Popen[bytes] | None = None
 
@@ -105,11 +108,17 @@ class Process:
         popen, self.popen = self.popen, None
         if popen is None:
             return
-        for sent in (self.stop_signal, signal.SIGKILL):  # SIGKILL: what ignored the first
+        # SIGINT: uvicorn's and hypercorn's graceful shutdown; SIGKILL: what ignored it.
+        for sent in (signal.SIGINT, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(popen.pid, sent)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(self.timeout)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the process to end by itself; its exit code."""
+        assert self.popen is not None
+        return self.popen.wait(timeout)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
@@ -120,3 +129,50 @@ class Process:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def server(
+    name: str, app: Any, port: int, lifespan: str = "on"
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """`(run, stop)`: `name` (one of SERVERS; uvicorn with httptools and uvloop, hypercorn with
+    its asyncio or trio worker) serving `app` on HOST:`port` until `stop()`, or SIGINT or
+    SIGTERM (on trio: not gracefully). The server is imported here, not with this module."""
+    if name == "uvicorn":
+        import uvicorn
+
+        options: dict[str, Any] = {"http": "httptools", "loop": "uvloop", "lifespan": lifespan}
+        settings = uvicorn.Config(app, HOST, port, log_level="warning", access_log=False, **options)
+        settings.load()  # its imports are not the requests' (serve.py counts collections after)
+        running = uvicorn.Server(settings)
+        return running.run, lambda: setattr(running, "should_exit", True)
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind, config.accesslog, config.loglevel = [f"{HOST}:{port}"], None, "WARNING"
+    served = app if lifespan == "on" else functools.partial(_without_lifespan, app)
+    if name == "hypercorn-trio":
+        import trio
+        from hypercorn.trio import serve as serve_trio
+
+        done = trio.Event()
+        serving = functools.partial(serve_trio, served, config, shutdown_trigger=done.wait)
+        return lambda: trio.run(serving), done.set
+    from hypercorn.asyncio import serve
+
+    stopped = asyncio.Event()
+
+    async def run() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(signum, stopped.set)
+        await serve(served, config, shutdown_trigger=stopped.wait)
+
+    return lambda: asyncio.run(run()), stopped.set
+
+
+async def _without_lifespan(app: Any, scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":  # answered here: hypercorn has no "off" as uvicorn has
+        for event in ("startup", "shutdown"):
+            await receive()
+            await send({"type": f"lifespan.{event}.complete"})
+        return
+    await app(scope, receive, send)

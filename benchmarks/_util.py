@@ -47,7 +47,7 @@ def versions(python: str | Path = sys.executable) -> dict[str, str]:
     code = (
         "import importlib.metadata as m, json, platform\n"
         "out = {'python': platform.python_version()}\n"
-        f"for name in {[*names, 'uvloop', 'fastapi-disconnect']!r}:\n"
+        f"for name in {[*names, 'uvloop', 'trio', 'fastapi-disconnect']!r}:\n"
         "    try: out[name] = m.version(name)\n"
         "    except m.PackageNotFoundError: pass\n"
         "print(json.dumps(out))\n"
@@ -75,15 +75,10 @@ def results_dir(quick: bool) -> Path:
 
 def record(name: str, quick: bool, started: float, load_before: list[float]) -> dict[str, Any]:
     """The facts every result file starts with; the benchmark adds its settings and figures."""
-    return {
-        "benchmark": name,
-        "quick": quick,
-        "command": f"python -m benchmarks {name}" + (" --quick" if quick else ""),
-        "seconds": round(time.time() - started),
-        "load_before": load_before,
-        "load_after": loadavg(),
-        "machine": machine(),
-    }
+    command = f"python -m benchmarks {name}" + (" --quick" if quick else "")
+    data = {"benchmark": name, "quick": quick, "command": command, "load_before": load_before}
+    data |= {"seconds": round(time.time() - started), "load_after": loadavg()}
+    return data | {"machine": machine()}
 
 
 def _rounded(value: Any) -> Any:

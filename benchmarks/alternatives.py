@@ -1,12 +1,9 @@
 """Every way a user gets "stop the work when the client leaves", written as its users write it.
 
-`build(variant, scenario)` returns the same FastAPI app (handlers unannotated, as vLLM's are)
-for a scenario: `hello` (`GET /` returns `{"hello": "world"}`), `slow` (`GET /slow?id=N` holds
-for `hold` seconds and records when its work is cancelled), `engine` (`GET /generate?id=N&
-tokens=T` streams from a `TokenGenerator`; `/stats` and `/reset` serve the harness). The
-variants are listed in `VARIANTS`; `raw-*` are bare ASGI apps, the worst case for relative
-overhead, and `floor` is a bare app that listens for `http.disconnect` itself: the server's own
-delivery, which no middleware can beat.
+`build(variant, scenario)`: the same FastAPI app (handlers unannotated, as vLLM's are) for
+`hello` (`GET /`), `slow` (`GET /slow?id=N` holds `hold` seconds, records its cancellation) or
+`engine` (`GET /generate?id=N&tokens=T` streams from a `TokenGenerator`). `raw-*` are bare ASGI
+apps (the worst case for relative overhead); `floor` listens for `http.disconnect` itself.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -32,40 +29,36 @@ from ._util import PY312
 Recorder = Callable[[int, str], None]
 Handler = Callable[..., Coroutine[Any, Any, Any]]
 
-
-class Variant(NamedTuple):
-    label: str
-    python: str = "3.11"  # or "3.12": fastapi-disconnect's own venv
-
-
-VARIANTS = {
-    "baseline": Variant("no middleware"),
-    "asgi-cancel": Variant("asgi-cancel"),
+VARIANTS = {  # name: label
+    "baseline": "no middleware",
+    "asgi-cancel": "asgi-cancel",
     # vLLM's decorator (vllm/entrypoints/serve/utils/api_utils.py), see with_cancellation().
-    "vllm": Variant("vLLM @with_cancellation"),
+    "vllm": "vLLM @with_cancellation",
     # The polling decorator of FastAPI discussion 8805, see cancel_on_disconnect_polling().
-    "poll-1s": Variant("poll is_disconnected 1 s"),
-    "poll-0.1s": Variant("poll is_disconnected 0.1 s"),
+    "poll-1s": "poll is_disconnected 1 s",
+    "poll-0.1s": "poll is_disconnected 0.1 s",
     # The same in an app that also has an `@app.middleware("http")` (here a pass-through one).
-    "poll-1s+bhm": Variant("poll 1 s + BaseHTTPMiddleware"),
-    "poll-0.1s+bhm": Variant("poll 0.1 s + BaseHTTPMiddleware"),
+    "poll-1s+bhm": "poll 1 s + BaseHTTPMiddleware",
+    "poll-0.1s+bhm": "poll 0.1 s + BaseHTTPMiddleware",
     # Starlette listens for the disconnect itself while the server advertises ASGI spec < 2.4.
-    "streaming": Variant("StreamingResponse alone"),
-    "baseline-py312": Variant("no middleware (3.12)", "3.12"),
-    "asgi-cancel-py312": Variant("asgi-cancel (3.12)", "3.12"),
-    "fastapi-disconnect": Variant("fastapi-disconnect middleware", "3.12"),
-    "fastapi-disconnect-decorator": Variant("fastapi-disconnect @cancel_on_disconnect", "3.12"),
+    "streaming": "StreamingResponse alone",
+    "baseline-py312": "no middleware (3.12)",
+    "asgi-cancel-py312": "asgi-cancel (3.12)",
+    "fastapi-disconnect": "fastapi-disconnect middleware",
+    "fastapi-disconnect-decorator": "fastapi-disconnect @cancel_on_disconnect",
     # Reference, not an alternative: what any middleware layer costs, whatever it does.
-    "passthrough": Variant("do-nothing ASGI middleware (reference)"),
-    "raw-baseline": Variant("bare ASGI app"),
-    "raw-passthrough": Variant("bare ASGI app + do-nothing middleware"),
-    "raw-asgi-cancel": Variant("bare ASGI app + asgi-cancel"),
-    "floor": Variant("app listens itself (floor)"),
+    "passthrough": "do-nothing ASGI middleware (reference)",
+    "raw-baseline": "bare ASGI app",
+    "raw-passthrough": "bare ASGI app + do-nothing middleware",
+    "raw-asgi-cancel": "bare ASGI app + asgi-cancel",
+    "floor": "app listens itself (floor)",
 }
+# fastapi-disconnect needs Python >= 3.12: these run in their own venv.
+PY312_VARIANTS = {v for v in VARIANTS if "py312" in v or v.startswith("fastapi-disconnect")}
 
 
 def python(variant: str) -> str:
-    return str(PY312) if VARIANTS[variant].python == "3.12" else sys.executable
+    return str(PY312) if variant in PY312_VARIANTS else sys.executable
 
 
 def runnable(variants: list[str], skipped: dict[str, str]) -> list[str]:
@@ -74,17 +67,14 @@ def runnable(variants: list[str], skipped: dict[str, str]) -> list[str]:
     if PY312.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
         return variants
     skipped["the Python 3.12 columns"] = f"no fastapi-disconnect venv at {PY312} (see the docs)"
-    return [variant for variant in variants if VARIANTS[variant].python != "3.12"]
+    return [variant for variant in variants if variant not in PY312_VARIANTS]
 
 
 class TokenGenerator:
-    """The wasted-work benchmark's engine, continuous batching in miniature.
-
-    A request gets `tokens` tokens, one every `step` seconds, once one of `batch` slots is free
-    (the others wait, first come first served). Each token is timestamped, so that the harness
-    counts those made after the client left; like vLLM's `generate()`, a request whose task is
-    cancelled (or whose stream is closed) is aborted and frees its slot at once.
-    """
+    """The wasted-work benchmark's engine, continuous batching in miniature: a request gets
+    `tokens` tokens, one every `step` seconds, once one of `batch` slots is free (first come,
+    first served), each timestamped; as in vLLM's `generate()`, a cancelled request (or closed
+    stream) is aborted and frees its slot at once."""
 
     def __init__(self, step: float, batch: int) -> None:
         self.step = step
@@ -210,30 +200,22 @@ def build(
     elif base == "passthrough":
         app.add_middleware(PassThroughMiddleware)
     elif base == "fastapi-disconnect":
-        app.add_middleware(
-            importlib.import_module("fastapi_disconnect").CancelOnDisconnectMiddleware
-        )
+        fastapi_disconnect = importlib.import_module("fastapi_disconnect")
+        app.add_middleware(fastapi_disconnect.CancelOnDisconnectMiddleware)
     return app
 
 
 def _hello(streaming: bool, needs_request: bool) -> Handler:
-    if streaming:
+    async def hello_streaming() -> StreamingResponse:
+        return StreamingResponse(iter([b'{"hello":"world"}']), media_type="application/json")
 
-        async def hello_streaming() -> StreamingResponse:
-            return StreamingResponse(iter([b'{"hello":"world"}']), media_type="application/json")
-
-        return hello_streaming
-    if needs_request:  # the decorators find the request in this argument
-
-        async def hello_with_request(raw_request: Request) -> dict[str, str]:
-            return {"hello": "world"}
-
-        return hello_with_request
+    async def hello_with_request(raw_request: Request) -> dict[str, str]:
+        return {"hello": "world"}  # the decorators find the request in `raw_request`
 
     async def hello() -> dict[str, str]:
         return {"hello": "world"}
 
-    return hello
+    return hello_streaming if streaming else hello_with_request if needs_request else hello
 
 
 Work = Callable[[int, int], AsyncIterator[int]]
@@ -255,27 +237,21 @@ def _slow(hold: float, record: Recorder) -> Work:
 
 def _handler(work: Work, streaming: bool, needs_request: bool) -> Handler:
     """`work`'s items streamed (`streaming`) or counted into one JSON answer."""
-    if streaming:
 
-        async def streamed(id: int, tokens: int = 1) -> StreamingResponse:
-            async def body() -> AsyncIterator[bytes]:
-                async for item in work(id, tokens):
-                    yield b"%d\n" % item
+    async def streamed(id: int, tokens: int = 1) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            async for item in work(id, tokens):
+                yield b"%d\n" % item
 
-            return StreamingResponse(body(), media_type="text/plain")
-
-        return streamed
+        return StreamingResponse(body(), media_type="text/plain")
 
     async def counted(id: int, tokens: int = 1) -> dict[str, int]:
         return {"id": id, "tokens": len([item async for item in work(id, tokens)])}
 
-    if needs_request:
+    async def counted_with_request(raw_request: Request, id: int, tokens: int = 1) -> Any:
+        return await counted(id, tokens)
 
-        async def counted_with_request(raw_request: Request, id: int, tokens: int = 1) -> Any:
-            return await counted(id, tokens)
-
-        return counted_with_request
-    return counted
+    return streamed if streaming else counted_with_request if needs_request else counted
 
 
 def _engine_admin(app: FastAPI, engine: TokenGenerator) -> None:
@@ -291,11 +267,8 @@ def _engine_admin(app: FastAPI, engine: TokenGenerator) -> None:
 
 
 # -- bare ASGI apps --------------------------------------------------------------------------
-_HELLO_START = {
-    "type": "http.response.start",
-    "status": 200,
-    "headers": [(b"content-type", b"application/json"), (b"content-length", b"17")],
-}
+_HELLO_HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"17")]
+_HELLO_START = {"type": "http.response.start", "status": 200, "headers": _HELLO_HEADERS}
 _HELLO_BODY = {"type": "http.response.body", "body": b'{"hello":"world"}'}
 
 

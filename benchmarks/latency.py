@@ -1,13 +1,10 @@
 """2. Cancel latency: from the client's close (FIN or RST) to the app's `CancelledError`.
 
-Each variant serves `GET /slow?id=N`, which holds for `hold` seconds and appends a timestamped
-line to an events file the moment its work is cancelled (`time.monotonic()`: one clock for all
-processes on Linux). A client connects, sends the request, waits a seeded random 0.1-1.1 s (a
-full polling period, so that polling is caught at every phase) and closes, gracefully (FIN) or
-with `SO_LINGER 0` (RST). Latency = cancellation time - close time. Every variant runs in each
-batch at once, with the same delays, each on its own server process (all pinned to CPU 0), so
-that a stall of the shared machine hits every column alike. "never": the work ran to its end
-although the client had gone.
+`GET /slow?id=N` holds `hold` seconds and logs when its work is cancelled (`time.monotonic()`:
+one clock for all processes). A client sends it, waits a seeded random 0.1-1.1 s (a full polling
+period) and closes, with FIN or with `SO_LINGER 0` (RST). Every variant, each its own server on
+CPU 0, runs in each batch at once with the same delays: a stall of the machine hits them alike.
+"never": the work ran to its end although the client had gone.
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ LATENCY_VARIANTS = [
     *("floor", "asgi-cancel", "vllm", "poll-1s", "poll-0.1s", "poll-1s+bhm", "poll-0.1s+bhm"),
     *("streaming", "fastapi-disconnect", "fastapi-disconnect-decorator"),
 ]
-QUICK_VARIANTS = (
-    "floor asgi-cancel vllm poll-0.1s poll-0.1s+bhm streaming fastapi-disconnect".split()
-)
+QUICK_VARIANTS = "floor asgi-cancel vllm poll-0.1s poll-0.1s+bhm streaming fastapi-disconnect"
 CLOSES = ("fin", "rst")
 MIN_DELAY = 0.1  # after the request: the app has started its work
 
@@ -86,16 +81,9 @@ async def run_server(
 ) -> dict[str, Any]:
     per_batch, hold = settings["per_batch"], settings["hold_s"]
     events = {variant: Path(folder) / f"{server_name}-{variant}.events" for variant in variants}
-    specs = {
-        variant: {"server": server_name, "variant": variant, "scenario": "slow"}
-        | {"cpu": 0, "hold": hold, "events": events[variant]}
-        for variant in variants
-    }
-    cells: dict[str, dict[str, list[tuple[bool, float | None]]]] = {
-        close: {variant: [] for variant in variants} for close in CLOSES
-    }
+    cells: dict[str, dict[str, list[Any]]] = {c: {v: [] for v in variants} for c in CLOSES}
     next_id = 0
-    with servers(specs) as started:
+    with servers(server_name, "slow", variants, cpu=0, hold=hold, events=events) as started:
         for path in events.values():
             path.touch()
         rounds = max(1, settings["samples"] // per_batch)
@@ -107,9 +95,8 @@ async def run_server(
                 for variant in variants:  # every variant at once: a stall hits them alike
                     ids = range(next_id, next_id + per_batch)
                     next_id += per_batch
-                    jobs.append(
-                        batch(started[variant].port, events[variant], ids, close, delays, hold)
-                    )
+                    port = started[variant].port
+                    jobs.append(batch(port, events[variant], ids, close, delays, hold))
                 for variant, samples in zip(variants, await asyncio.gather(*jobs), strict=True):
                     cells[close][variant] += samples
             emit(f"  {server_name}: round {round_number + 1}/{rounds} done")
@@ -121,20 +108,14 @@ def summarize(samples: list[tuple[bool, float | None]]) -> dict[str, Any]:
     # the server had not read yet, so a server that lags behind the close never sees it.
     started = [latency for began, latency in samples if began]
     latencies = sorted(latency for latency in started if latency is not None)
-    return {
-        "n": len(started),
-        "cancelled": len(latencies),
-        "never": len(started) - len(latencies),
-        "not_started": len(samples) - len(started),
-        "p50_ms": percentile(latencies, 50),
-        "p99_ms": percentile(latencies, 99),
-        "latencies_ms": latencies,
-    }
+    counts = {"n": len(started), "cancelled": len(latencies), "latencies_ms": latencies}
+    counts |= {"never": len(started) - len(latencies), "not_started": len(samples) - len(started)}
+    return counts | {"p50_ms": percentile(latencies, 50), "p99_ms": percentile(latencies, 99)}
 
 
 def run(quick: bool) -> dict[str, Any]:
     skipped: dict[str, str] = {}
-    variants = runnable(QUICK_VARIANTS if quick else LATENCY_VARIANTS, skipped)
+    variants = runnable(QUICK_VARIANTS.split() if quick else LATENCY_VARIANTS, skipped)
     settings: dict[str, Any] = {"samples": 120, "per_batch": 20, "max_delay_s": 1.1, "hold_s": 3.0}
     if quick:
         settings = {"samples": 3, "per_batch": 3, "max_delay_s": 0.2, "hold_s": 0.6}
@@ -145,12 +126,7 @@ def run(quick: bool) -> dict[str, Any]:
             name: asyncio.run(run_server(name, variants, settings, Path(folder)))
             for name in SERVERS
         }
-    return {
-        "settings": settings,
-        "variants": variants,
-        "skipped": skipped,
-        "results": results,
-    }
+    return {"settings": settings, "variants": variants, "skipped": skipped, "results": results}
 
 
 def check(data: dict[str, Any]) -> list[str]:
@@ -168,7 +144,7 @@ def render(data: dict[str, Any]) -> str:
     names = [name for name in SERVERS if name in data["results"]]
     rows = []
     for variant in data["variants"]:
-        row = [VARIANTS[variant].label]
+        row = [VARIANTS[variant]]
         for cell in (data["results"][name][close][variant] for name in names for close in CLOSES):
             notes = f" ({cell['never']} never)" if cell["never"] else ""
             notes += f" ({cell['not_started']} not started)" if cell["not_started"] else ""

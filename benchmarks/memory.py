@@ -1,13 +1,10 @@
 """4. Memory and leaks: many requests, each cancelled by a disconnect, in process.
 
-Each variant runs in a fresh interpreter (`python -m benchmarks.memory VARIANT ...`): requests
-start in batches, each parks in its work (a one-hour sleep), then every client disconnects and
-the harness waits for each request to end. The fake server behaves like uvicorn's
-`RequestResponseCycle`: the body at once, then a `receive()` that waits until the client
-leaves (or the response is complete) and returns `http.disconnect` to every caller, as often as
-asked; one task per request. Reported: RSS before and after (after two warm-up batches), RSS
-growth after the first tenth (a leak is a slope, a high-water mark a step at the start), tasks
-left, the change in `len(gc.get_objects())`, and objects only the cyclic collector frees.
+Each variant runs in a fresh interpreter (`python -m benchmarks.memory VARIANT N BATCH`): batches
+of requests park in their work, then every client leaves. The fake server acts like uvicorn's
+`RequestResponseCycle` (`http.disconnect` to every `receive()` once the client left). Reported:
+RSS, its growth after the first tenth (a leak is a slope), tasks and objects left, and the
+objects only the cyclic collector frees.
 """
 
 from __future__ import annotations
@@ -106,16 +103,11 @@ async def child(variant: str, requests: int, batch: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - clock
     await asyncio.sleep(0.05)  # helper tasks that were cancelled but not awaited finish now
     gc.collect()
-    result = {
-        "requests": requests,
-        "ended_by_disconnect": ended,
-        "seconds": elapsed,
-        "rss_before": rss_before,
-        "rss_after": rss_bytes(),
-        "rss_series": series,
-        "live_tasks_after": len(asyncio.all_tasks()) - own_tasks,
-        "gc_objects_delta": len(gc.get_objects()) - objects_before,
-    }
+    result: dict[str, Any] = {"requests": requests, "ended_by_disconnect": ended}
+    result |= {"seconds": elapsed, "rss_before": rss_before, "rss_after": rss_bytes()}
+    result["rss_series"] = series
+    result |= {"live_tasks_after": len(asyncio.all_tasks()) - own_tasks}
+    result["gc_objects_delta"] = len(gc.get_objects()) - objects_before
     # One more batch, to count what only the cyclic collector frees (exception and traceback
     # cycles): between collections, that garbage is what makes RSS climb.
     probe = min(batch, 500)
@@ -130,10 +122,7 @@ async def child(variant: str, requests: int, batch: int) -> dict[str, Any]:
 
 
 def _scope(index: int) -> dict[str, Any]:  # as uvicorn makes it
-    scope: dict[str, Any] = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-    }  # as uvicorn's
+    scope: dict[str, Any] = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
     scope |= {"http_version": "1.1", "method": "GET", "scheme": "http", "path": "/slow"}
     scope |= {"raw_path": b"/slow", "query_string": b"id=%d" % index, "root_path": ""}
     scope |= {"headers": [(b"host", b"127.0.0.1:8000")], "client": ("127.0.0.1", 50000)}
@@ -147,19 +136,14 @@ def run(quick: bool) -> dict[str, Any]:
     emit(f"memory: {requests:,} cancelled requests per variant, in process")
     results: dict[str, Any] = {}
     for variant in variants:
-        argv = ["-m", "benchmarks.memory", variant, str(requests), str(batch)]
-        command = [python(variant), *argv]
+        command = [python(variant), "-m", "benchmarks.memory", variant, str(requests), str(batch)]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"memory {variant} failed:\n{done.stderr[-3000:]}")
         results[variant] = json.loads(done.stdout)
         emit(f"  {variant}: done in {results[variant]['seconds']:.1f} s")
-    return {
-        "settings": {"requests": requests, "batch": batch},
-        "variants": variants,
-        "skipped": skipped,
-        "results": results,
-    }
+    settings = {"requests": requests, "batch": batch}
+    return {"settings": settings, "variants": variants, "skipped": skipped, "results": results}
 
 
 def check(data: dict[str, Any]) -> list[str]:
@@ -178,20 +162,15 @@ def late_growth(row: dict[str, Any]) -> float:
 
 def render(data: dict[str, Any]) -> str:
     mib = 1024 * 1024
-    rows = [
-        [
-            VARIANTS[variant].label,
-            f"{row['ended_by_disconnect']:,}/{row['requests']:,}",
-            fmt(row["rss_before"] / mib),
-            fmt((row["rss_after"] - row["rss_before"]) / mib),
-            fmt(late_growth(row) / mib),
-            row["live_tasks_after"],
-            f"{row['gc_objects_delta']:+,}",
-            fmt(row["cyclic_garbage_per_request"], 0),
-            fmt(row["seconds"] / row["requests"] * 1e6, 0),
-        ]
-        for variant, row in ((v, data["results"][v]) for v in data["variants"])
-    ]
+    rows: list[list[object]] = []
+    for variant in data["variants"]:
+        row = data["results"][variant]
+        rows.append([VARIANTS[variant], f"{row['ended_by_disconnect']:,}/{row['requests']:,}"])
+        growth = row["rss_after"] - row["rss_before"]
+        rows[-1] += [fmt(row["rss_before"] / mib), fmt(growth / mib)]
+        rows[-1] += [fmt(late_growth(row) / mib), row["live_tasks_after"]]
+        rows[-1] += [f"{row['gc_objects_delta']:+,}", fmt(row["cyclic_garbage_per_request"], 0)]
+        rows[-1].append(fmt(row["seconds"] / row["requests"] * 1e6, 0))
     settings = data["settings"]
     headers = ["variant", "ended by the disconnect", "RSS before MiB", "RSS growth MiB"]
     headers += ["RSS growth over the last 90% MiB", "live tasks after", "gc objects delta"]

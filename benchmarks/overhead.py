@@ -1,14 +1,10 @@
 """1. Overhead: a hello world under real servers with wrk, and instructions per request.
 
-Every variant runs as its own server process pinned to CPU 0 (they idle until measured); wrk
-runs pinned to CPU 1 at fixed concurrency. Runs alternate (baseline, variant, baseline, next
-variant, ...) and each ratio is taken against the baseline run right before it, in the same
-interpreter group; the tables quote the medians over the repetitions. Server CPU per request is
-the server process's utime+stime over the run divided by wrk's request count. Each server also
-counts its garbage-collector runs: a middleware that keeps a request's objects alive past the
-request shows there long before it shows in CPU time. Last, `benchmarks.instructions`: the
-instructions per request inside uvicorn, bare and wrapped, for an app that never awaits and one
-that awaits 1 ms (callgrind: deterministic, unlike wall-clock on a shared machine).
+Each variant is its own server process on CPU 0, wrk runs on CPU 1 at fixed concurrency. Runs
+alternate (baseline, variant, baseline, next variant, ...), each ratio taken against the baseline
+run just before it; the tables quote medians over the repetitions. Server CPU per request is the
+server's utime+stime over the run / wrk's requests; each server counts its garbage collections (a
+request kept alive shows there before CPU time does). Last, `benchmarks.instructions`.
 """
 
 from __future__ import annotations
@@ -46,11 +42,9 @@ def wrk(server: Process, seconds: int, connections: int = 32) -> dict[str, Any]:
     """wrk's summary (wrk_report.lua), and the server's CPU time per request over the run."""
     command = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "5s"]
     command = ["taskset", "-c", str(CLIENT_CPU), *command] if shutil.which("taskset") else command
+    command += ["-s", str(LUA), f"http://127.0.0.1:{server.port}/"]
     cpu = cpu_seconds(server.pid)
-    url = f"http://127.0.0.1:{server.port}/"
-    done = subprocess.run(
-        [*command, "-s", str(LUA), url], capture_output=True, text=True, timeout=seconds + 30
-    )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 30)
     match = re.search(r"^JSON (\{.*\})$", done.stdout, re.MULTILINE)
     if match is None:
         raise RuntimeError(f"wrk printed no summary:\n{done.stdout}{done.stderr}")
@@ -70,12 +64,7 @@ def run_server(
     ratios: dict[str, dict[str, list[float]]] = {}
     with TemporaryDirectory(prefix="asgi-cancel-gc-") as folder:
         gc_files = {variant: Path(folder) / f"{variant}.gc" for variant in runs}
-        specs = {
-            variant: {"server": server_name, "variant": variant, "scenario": "hello"}
-            | {"cpu": SERVER_CPU, "gc_file": gc_files[variant]}
-            for variant in runs
-        }
-        with servers(specs) as started:
+        with servers(server_name, "hello", runs, cpu=SERVER_CPU, gc_file=gc_files) as started:
             for variant, server in started.items() if warm_up else ():
                 warm[variant].append(wrk(server, 1))  # caches, lazy imports
             for repetition in range(repetitions):
@@ -95,15 +84,13 @@ def run_server(
     summary: dict[str, Any] = {}
     for variant, these in runs.items():
         served = sum(run["requests"] for run in these + warm[variant])
-        summary[variant] = {
-            "rps": median(run["rps"] for run in these),
-            "p99_ms": median(run["p99_us"] for run in these) / 1e3,
-            "cpu_us_per_request": median(run["cpu_us_per_request"] for run in these),
-            "errors": sum(run["errors"] + run["status_errors"] for run in these + warm[variant]),
-            "requests": served,
-            "gc_per_1000": [count * 1000 / max(1, served) for count in collections[variant]],
-            "ratios": ratios.get(variant, {}),
+        cell: dict[str, Any] = {
+            k: median(run[k] for run in these) for k in ("rps", "cpu_us_per_request")
         }
+        cell["p99_ms"] = median(run["p99_us"] for run in these) / 1e3
+        cell["errors"] = sum(run["errors"] + run["status_errors"] for run in these + warm[variant])
+        cell["gc_per_1000"] = [count * 1000 / max(1, served) for count in collections[variant]]
+        summary[variant] = cell | {"requests": served, "ratios": ratios.get(variant, {})}
     return summary
 
 
@@ -124,13 +111,9 @@ def run(quick: bool) -> dict[str, Any]:
     else:
         emit("overhead: instructions per request inside uvicorn (callgrind)")
         counts = instructions.run(requests=300 if quick else instructions.REQUESTS)
-    return {
-        "settings": {"repetitions": repetitions, "seconds_per_run": seconds, "connections": 32},
-        "groups": groups,
-        "skipped": skipped,
-        "servers": results,
-        "instructions": counts,
-    }
+    settings = {"repetitions": repetitions, "seconds_per_run": seconds, "connections": 32}
+    data = {"settings": settings, "groups": groups, "skipped": skipped, "servers": results}
+    return data | {"instructions": counts}
 
 
 def check(data: dict[str, Any]) -> list[str]:
@@ -164,7 +147,7 @@ def render(data: dict[str, Any]) -> str:
     names = [name for name in SERVERS if name in data["servers"]]
     rows = []
     for variant in (variant for variants in data["groups"].values() for variant in variants):
-        row = [VARIANTS[variant].label]
+        row = [VARIANTS[variant]]
         for name in names:
             cell = data["servers"][name][variant]
             errors = f" ({cell['errors']} errors)" if cell["errors"] else ""

@@ -1,14 +1,11 @@
-"""Turn benchmarks/results/*.json into the tables and plots that docs/benchmarks.md shows.
+"""`python -m benchmarks render [--quick]`: benchmarks/results/*.json into docs/benchmarks.md.
 
-`python -m benchmarks render` rewrites the blocks between `<!-- BEGIN name -->` and
-`<!-- END name -->` in docs/benchmarks.md and the latency plot in docs/img/. With `--quick` it
-reads the quick results (benchmarks/results/tmp/) and writes `tables.md` and the plot next to
-them, leaving the docs alone.
+Rewrites the blocks between `<!-- BEGIN name -->` and `<!-- END name -->` and the latency plot in
+docs/img/; `--quick` reads results/tmp/ and writes `tables.md` and the plot there instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import matplotlib
@@ -37,23 +34,15 @@ def plot_latency(data: dict[str, Any]) -> Any:
         for index, variant in enumerate(names):
             for offset, close, marker in ((-0.15, "fin", "o"), (0.15, "rst", "x")):
                 cell = by_close[close][variant]
-                values = cell["latencies_ms"]
-                label = close.upper() if index == 0 else None
-                axis.scatter(
-                    [index + offset] * len(values),
-                    values,
-                    s=10,
-                    marker=marker,
-                    color=_color(variant),
-                    alpha=0.6,
-                    label=label,
-                )
+                values, label = cell["latencies_ms"], close.upper() if index == 0 else None
+                style = {"s": 10, "marker": marker, "color": _color(variant), "alpha": 0.6}
+                axis.scatter([index + offset] * len(values), values, label=label, **style)
                 if cell["never"]:
                     text = f"never\n{cell['never']}/{cell['n']}"
                     axis.annotate(text, (index, 2000.0), ha="center", fontsize=7, color="darkred")
         axis.set_yscale("log")
         axis.set_ylim(0.05, 6000)
-        labels = [VARIANTS[v].label for v in names]
+        labels = [VARIANTS[v] for v in names]
         axis.set_xticks(range(len(names)), labels, rotation=40, ha="right", fontsize=7)
         axis.set_ylabel("close → CancelledError (ms, log)")
         axis.set_title(f"{server_name}: cancel latency (o FIN, x RST)", fontsize=10)
@@ -61,39 +50,33 @@ def plot_latency(data: dict[str, Any]) -> Any:
     return figure
 
 
-TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "overhead": overhead.render,
-    "latency": latency.render,
-    "waste": waste.render,
-    "memory": memory.render,
-    "serving": serving.render,
+# What `python -m benchmarks` runs (`all`: every one but the last) and renders.
+BENCHMARKS: dict[str, Any] = {
+    module.__name__.rpartition(".")[2]: module
+    for module in (overhead, latency, waste, memory, serving)
 }
 
 
 def machine_block(data: dict[str, Any]) -> str:
     info = data["machine"]
-    lines = [
-        f"- CPU: {info['cpu']}, {info['cores']} cores (shared with other jobs), "
-        f"{info['memory_gb']} GB RAM, Linux {info['kernel']}"
-    ]
+    text = f"- CPU: {info['cpu']}, {info['cores']} cores (shared with other jobs), "
+    text += f"{info['memory_gb']} GB RAM, Linux {info['kernel']}"
     for key, name in (("versions", "Python 3.11 venv"), ("versions_py312", "Python 3.12 venv")):
-        if key in info:
-            lines.append(
-                f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(info[key].items()))
-            )
-    return "\n".join(lines)
+        if found := sorted(info.get(key, {}).items()):
+            text += f"\n- {name}: " + ", ".join(f"{k} {v}" for k, v in found)
+    return text
 
 
 def main(quick: bool = False) -> dict[str, str]:
     folder = results_dir(quick)
     images = folder / "img" if quick else IMG
     blocks: dict[str, str] = {}
-    for name, render_table in TABLES.items():
+    for name, module in BENCHMARKS.items():
         data = load(name, folder)
         if data is None:
             emit(f"render: no {name} results in {folder}")
             continue
-        blocks[name] = render_table(data)
+        blocks[name] = module.render(data)
         blocks.setdefault("machine", machine_block(data))
         if name == "latency":
             images.mkdir(parents=True, exist_ok=True)

@@ -1,48 +1,43 @@
 """Run one variant under a real server, and start such servers from the harness.
 
-Child side: `python -m benchmarks.serve SERVER VARIANT SCENARIO PORT [--cpu N] [--hold H]
-[--events FILE] [--step-time T --max-batch B] [--gc-file FILE]`. uvicorn runs with
-`--http httptools --loop uvloop`, hypercorn with its defaults (asyncio, h11); access logs are
-off for every variant alike (they would add the same cost to each and hide the differences).
-`--gc-file`: the server counts the garbage collector's runs per generation from the moment it
-starts serving, and writes them there at exit.
+Child side: `python -m benchmarks.serve SERVER VARIANT SCENARIO PORT [options]` (uvicorn with
+httptools and uvloop, hypercorn with asyncio and h11; no access logs). `--gc-file`: the child
+counts the collector's runs per generation from when it serves, and writes them there at exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import gc
 import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from ._process import Process
+from ._process import Process, server
 from ._util import ROOT
 from .alternatives import VARIANTS, TokenGenerator, build, python
 
 SERVERS = ("uvicorn", "hypercorn")
-UVICORN: dict[str, Any] = {"http": "httptools", "loop": "uvloop", "lifespan": "on"}
-UVICORN |= {"log_level": "warning", "access_log": False}
 
 
 @contextmanager
-def servers(specs: dict[Any, dict[str, Any]]) -> Iterator[dict[Any, Process]]:
-    """Start a server per spec (`server`, `variant`, `scenario`, and the child's options) at
-    once (they idle until measured), stop them all at the end."""
+def servers(
+    server: str, scenario: str, variants: Iterable[str], **options: Any
+) -> Iterator[dict[str, Process]]:
+    """A `server` process per variant serving `scenario`, with the child's `options` (a dict:
+    one value per variant), started at once (they idle until measured) and stopped at the end."""
     with TemporaryDirectory(prefix="asgi-cancel-bench-") as logs:
-        started: dict[Any, Process] = {}
+        started: dict[str, Process] = {}
         try:
-            for index, (key, spec) in enumerate(specs.items()):
-                started[key] = Process(
-                    _command(spec), log=Path(logs) / f"{index}.log", cwd=ROOT, timeout=60
-                ).spawn()
+            for index, variant in enumerate(variants):
+                argv = _command(server, variant, scenario, options)
+                log = Path(logs) / f"{index}.log"
+                started[variant] = Process(argv, log=log, cwd=ROOT, timeout=60).spawn()
             for process in started.values():
                 process.wait_ready()
             yield started
@@ -51,14 +46,11 @@ def servers(specs: dict[Any, dict[str, Any]]) -> Iterator[dict[Any, Process]]:
                 process.stop()
 
 
-def _command(spec: dict[str, Any]) -> Any:
-    options = dict(spec)
-    head = [options.pop(key) for key in ("server", "variant", "scenario")]
-    interpreter = python(head[1])
-
+def _command(server: str, variant: str, scenario: str, options: dict[str, Any]) -> Any:
     def argv(port: int) -> list[str]:
-        command = [interpreter, "-m", "benchmarks.serve", *head, str(port)]
+        command = [python(variant), "-m", "benchmarks.serve", server, variant, scenario, str(port)]
         for key, value in options.items():
+            value = value[variant] if isinstance(value, dict) else value
             command += [f"--{key.replace('_', '-')}", str(value)]
         return command
 
@@ -108,37 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         options["record"] = _recorder(args.events)
     if args.scenario == "engine":
         options["engine"] = TokenGenerator(args.step_time, args.max_batch)
-    app = build(args.variant, args.scenario, **options)
-    if args.server == "uvicorn":
-        import uvicorn
-
-        config = uvicorn.Config(app, "127.0.0.1", args.port, **UVICORN)
-        config.load()  # the imports it makes are not the requests' collections
-        serve: Callable[[], None] = uvicorn.Server(config).run
-    else:
-        serve = _hypercorn(app, args.port)
+    run, _stop = server(args.server, build(args.variant, args.scenario, **options), args.port)
     if args.gc_file:
         _count_collections(args.gc_file)
-    serve()
-
-
-def _hypercorn(app: Any, port: int) -> Callable[[], None]:
-    from hypercorn.asyncio import serve
-    from hypercorn.config import Config
-
-    config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = None
-    config.loglevel = "WARNING"
-    shutdown = asyncio.Event()
-
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, shutdown.set)
-        await serve(app, config, shutdown_trigger=shutdown.wait)
-
-    return lambda: asyncio.run(run())
+    run()
 
 
 if __name__ == "__main__":

