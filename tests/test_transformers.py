@@ -90,11 +90,8 @@ class FakeModel:
                     streamer.put(made)
                 ids = FakeIds(rows, self.prompt + made)
                 done = [criterion(ids, None) for criterion in stopping_criteria]
-                if (
-                    not ignore_criteria
-                    and done
-                    and all(any(row) for row in zip(*done, strict=True))
-                ):
+                every_row = done and all(any(row) for row in zip(*done, strict=True))
+                if every_row and not ignore_criteria:
                     break
             if streamer is not None:
                 streamer.end()
@@ -322,9 +319,8 @@ def test_shielded_or_detached_generation_runs_to_the_end(keep: str) -> None:
 def test_stream_ends_at_the_disconnect_and_the_thread_within_one_token() -> None:
     model = FakeModel()
     token, fire = fired_token()
-    streamer = FakeStreamer()
     generation = generate_in_thread(
-        model.generate, token=token, streamer=streamer, max_new_tokens=5000
+        model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=5000
     )
     texts = []
     fired_at = 0.0
@@ -360,9 +356,8 @@ def test_the_reader_ends_before_any_token_at_a_cancel_or_a_stop(how: str) -> Non
 
 def test_stream_without_cancellation_reads_everything() -> None:
     model = FakeModel(step=0)
-    streamer = FakeStreamer()
     generation = generate_in_thread(
-        model.generate, token=CancelToken(), streamer=streamer, max_new_tokens=40
+        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=40
     )
     assert len(list(generation)) == 40
     assert generation.result(WATCHDOG) == 40
@@ -400,10 +395,9 @@ def test_generation_error_ends_the_stream_with_it() -> None:
     )
     with pytest.raises(RuntimeError, match="the model broke"):
         list(generation)
+    whole = generate_in_thread(model.generate, token=CancelToken(), max_new_tokens=9, fail_at=2)
     with pytest.raises(RuntimeError, match="the model broke"):
-        generate_in_thread(model.generate, token=CancelToken(), max_new_tokens=9, fail_at=2).result(
-            WATCHDOG
-        )
+        whole.result(WATCHDOG)
 
 
 def test_reader_that_leaves_early_stops_the_generation() -> None:
