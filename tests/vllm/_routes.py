@@ -77,7 +77,10 @@ class Left:
     finished_normally: float  # requests that ended by themselves meanwhile (an abort is not)
 
 
-def start(server: OpenAIServer, route: str, *, stream: bool, n: int = 1, **extra: Any) -> Any:
+def start(
+    server: OpenAIServer, route: str, *, stream: bool, n: int = 1, **extra: Any
+) -> tuple[str, RawClient]:
+    """Send a request with an `X-Request-Id` of ours; its id and the client."""
     request_id = f"gone-{uuid.uuid4().hex[:12]}"  # vLLM builds its ids on it
     body = payload(route, stream=stream, n=n, request_id=request_id, **extra)
     client = RawClient(server.port).post(ROUTES[route], body, headers={"X-Request-Id": request_id})

@@ -29,7 +29,7 @@ from asgi_cancel.redis import RedisBroker
 from ..redis_server import RedisServer, running_redis
 from ._harness import LEAVES_ENGINE_WITHIN, RawClient, import_vllm, report, wait_for
 from ._openai import MAX_NUM_SEQS, OpenAIServer, serve
-from ._routes import CELL_IDS, CELLS, ROUTES, aborted, events, leave_runs, payload
+from ._routes import CELL_IDS, CELLS, ROUTES, aborted, events, leave_runs, payload, start
 
 import_vllm()
 
@@ -100,13 +100,9 @@ def long_streams(server: OpenAIServer, count: int) -> tuple[dict[str, RawClient]
     """`count` running streams, opened until both API servers hold some; their ids and pids."""
     clients: dict[str, RawClient] = {}
     while True:
-        request_id = f"byid-{uuid.uuid4().hex[:12]}"
-        clients[request_id] = RawClient(server.port).post(
-            ROUTES["completions"],
-            payload("completions", stream=True),
-            headers={"X-Request-Id": request_id},
-        )
-        clients[request_id].read_until(lambda response: events(response) >= 2)
+        request_id, client = start(server, "completions", stream=True)
+        clients[request_id] = client
+        client.read_until(lambda response: events(response) >= 2)
         wait_for(functools.partial(probed, server, request_id), 5, "the probe's line")
         holders = {rid: probes(server)[rid][0] for rid in clients}
         if len(clients) >= count and len(set(holders.values())) == 2:
@@ -143,13 +139,8 @@ def cancel_through_the_endpoint(
 
 def test_request_ids_are_vllms_own(server: OpenAIServer) -> None:
     """`current_token().request_id` is the `X-Request-Id` that vLLM builds its ids on."""
-    request_id = f"same-{uuid.uuid4().hex[:12]}"
-    with RawClient(server.port) as client:
-        client.post(
-            ROUTES["completions"],
-            payload("completions", stream=False, max_tokens=4),
-            headers={"X-Request-Id": request_id},
-        )
+    request_id, client = start(server, "completions", stream=False, max_tokens=4)
+    with client:
         client.read_all()
     wait_for(lambda: request_id in probes(server), 5, "the probe's line")
     assert probes(server)[request_id][1] == request_id
@@ -200,13 +191,8 @@ def test_a_cancel_by_id_aborts_the_request_in_either_api_server(
 def test_cancel_by_id_aborts_a_non_streaming_request(
     server: OpenAIServer, redis: RedisServer
 ) -> None:
-    request_id = f"whole-{uuid.uuid4().hex[:12]}"
     generated = server.generated()
-    client = RawClient(server.port).post(
-        ROUTES["completions"],
-        payload("completions", stream=False),
-        headers={"X-Request-Id": request_id},
-    )
+    request_id, client = start(server, "completions", stream=False)
     wait_for(lambda: server.generated() - generated >= 20, 30, "generation to start")
     before = server.metrics()
     started = time.monotonic()
