@@ -258,22 +258,18 @@ def test_overload_of_timed_out_clients_then_one_request_is_served_promptly(
     """vLLM's own request-cancellation test, in spirit: 40 long chat requests whose clients
     time out after 0.5 s (about 18k tokens of work: a minute on this machine), then one short
     request must be answered within seconds."""
-    messages = [{"role": "user", "content": "Write a very long story."}]
+    story = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+    }
 
     async def flood() -> list[BaseException | None]:
         async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as client:
 
             async def one() -> BaseException | None:
                 try:
-                    await client.post(
-                        "/v1/chat/completions",
-                        json={
-                            "model": MODEL_NAME,
-                            "messages": messages,
-                            "max_tokens": 450,
-                            "ignore_eos": True,
-                        },
-                    )
+                    long = story | {"max_tokens": 450, "ignore_eos": True}
+                    await client.post("/v1/chat/completions", json=long)
                 except httpx.TimeoutException as error:
                     return error
                 return None
@@ -285,11 +281,8 @@ def test_overload_of_timed_out_clients_then_one_request_is_served_promptly(
     outcomes = asyncio.run(flood())
     assert all(isinstance(outcome, httpx.TimeoutException) for outcome in outcomes), outcomes
     served_started = time.monotonic()
-    response = httpx.post(
-        f"{server.url}/v1/chat/completions",
-        json={"model": MODEL_NAME, "messages": messages, "max_tokens": 10},
-        timeout=10,
-    )
+    short = story | {"max_tokens": 10}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=short, timeout=10)
     served_in = time.monotonic() - served_started
     assert response.status_code == 200
     assert len(response.json()["choices"]) == 1
