@@ -153,11 +153,9 @@ def started(server: Server, before: int, tokens: int = 1) -> dict[str, Any]:
 def completion_body(kind: str, max_tokens: int, stream: bool, thread: str) -> dict[str, Any]:
     """The request for our app or for llama_cpp.server (which ignores `thread` and `chat`)."""
     body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream, "temperature": 0.0}
-    body["thread"] = thread
+    body |= {"thread": thread, "prompt": "hello there"}
     if kind == "chat":
-        body["chat"] = True
-        body["messages"] = [{"role": "user", "content": "hello there"}]
-    body["prompt"] = "hello there"
+        body |= {"chat": True, "messages": [{"role": "user", "content": "hello there"}]}
     return body
 
 
@@ -226,15 +224,10 @@ def result(app: str, mode: str, kind: str, stream: bool, thread: str, **figures:
 
 
 APP_CASES = [
-    ("completion", False, "to_thread"),
-    ("completion", False, "thread"),
-    ("completion", False, "executor"),
-    ("completion", False, "sync"),
-    ("completion", True, "to_thread"),
-    ("completion", True, "thread"),
-    ("chat", False, "to_thread"),
-    ("chat", True, "thread"),
+    ("completion", False, thread) for thread in ("to_thread", "thread", "executor", "sync")
 ]
+APP_CASES += [("completion", True, "to_thread"), ("completion", True, "thread")]
+APP_CASES += [("chat", False, "to_thread"), ("chat", True, "thread")]
 APP_IDS = [
     f"{kind}-{'stream' if stream else 'whole'}-{thread}" for kind, stream, thread in APP_CASES
 ]
