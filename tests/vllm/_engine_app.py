@@ -166,16 +166,9 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
                 key = f"{output.request_id}/{completion.index}"
                 counts[key] = counts.get(key, 0) + len(completion.token_ids)
                 if stream:
-                    line = json.dumps(
-                        {"id": key, "n": counts[key], "end": completion.finish_reason}
-                    )
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": line.encode() + b"\n",
-                            "more_body": True,
-                        }
-                    )
+                    line = {"id": key, "n": counts[key], "end": completion.finish_reason}
+                    body = json.dumps(line).encode() + b"\n"
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
 
         async def merge() -> None:
             queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -215,13 +208,8 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
             await send({"type": "http.response.body", "body": b""})
         else:
             payload = json.dumps({"id": request_id, "tokens": counts}).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
+            headers = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": payload})
 
     producers: set[asyncio.Task[None]] = set()
@@ -280,18 +268,13 @@ class EngineServer:
 
     def unfinished(self) -> int:
         async def count() -> int:
-            number: int = self.engine.output_processor.get_num_unfinished_requests()
-            return number
+            return int(self.engine.output_processor.get_num_unfinished_requests())
 
         return self.call(count)
 
     def abort(self, *request_ids: str) -> None:
         """Clean up after a test that deliberately left requests running."""
-
-        async def abort() -> None:
-            await self.engine.abort(list(request_ids))
-
-        self.call(abort)
+        self.call(lambda: self.engine.abort(list(request_ids)))
 
     def _run(self) -> None:
         try:
