@@ -71,11 +71,8 @@ def test_stops_at_the_token_after_the_cancel_and_counts_what_it_cost(
     assert criterion.generated == generated
     usage = token.usage
     assert usage is not None
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.after_cancel) == (
-        PROMPT,
-        generated,
-        after_cancel,
-    )
+    counts = (usage.prompt_tokens, usage.completion_tokens, usage.after_cancel)
+    assert counts == (PROMPT, generated, after_cancel)
 
 
 def test_outside_a_request_it_says_so_and_never_stops() -> None:
