@@ -74,7 +74,7 @@ def running_proxy(proxy: Proxy, backend: Server, workdir: Path) -> Iterator[Runn
     def argv(target: str, port: int) -> list[str]:
         ports = Ports(port, free_port(), backend.port)
         chosen.append(ports)
-        return proxy.configure(workdir, ports)
+        return proxy.command(workdir, ports)
 
     spec = ServerSpec(proxy.name, argv)
     with running_server(spec, "", workdir) as server:
@@ -134,17 +134,9 @@ def _body_seen(sock: socket.socket) -> bool:
 
 def measure(running: RunningProxy, config: str, scenario: str) -> Outcome:
     """One cell: leave a request and keep the outcome (and log it, with PROXY_LOG_ENV set)."""
-    outcome, ms, seen = leave(running.port(config), running.backend.events, scenario)
-    result = Outcome(
-        running.proxy.name,
-        running.version,
-        running.backend.spec.name,
-        config,
-        scenario,
-        outcome,
-        ms,
-        seen,
-    )
+    left = leave(running.port(config), running.backend.events, scenario)
+    proxy, server = running.proxy.name, running.backend.spec.name
+    result = Outcome(proxy, running.version, server, config, scenario, *left)
     path = os.environ.get(PROXY_LOG_ENV)
     if path:
         with open(path, "a") as log:
