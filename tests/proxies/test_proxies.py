@@ -1,11 +1,9 @@
 """Real reverse proxies in front of uvicorn and hypercorn: does a client's abort reach the app?
 
-Each proxy runs in the foreground on 127.0.0.1 with a config written to a temp dir
-(tests/proxies/proxies.py), one listener with its defaults and one `tuned`. A raw-socket client
-leaves (FIN) before the first byte, mid-stream (SSE), during a slow `Content-Length` answer and
-mid-upload; the app (asgi-cancel, tests/proxies/app.py) records its cancellation. `EXPECTED` is
-the table of docs/proxies.md: a change in any proxy's behaviour fails here, and every "never" or
-"not started" names the proxy's reason.
+Each proxy (proxies.py) listens with its defaults and `tuned`; a raw-socket client leaves in each
+scenario (harness.py) and the app (app.py) records its cancellation. `EXPECTED` is the table of
+docs/proxies.md: a change in any proxy's behaviour fails here, and every "never" or "not started"
+names the proxy's reason.
 """
 
 from __future__ import annotations

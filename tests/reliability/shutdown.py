@@ -24,14 +24,7 @@ from pathlib import Path
 
 from tests.servers.client import connect, drain, send_request
 from tests.servers.events import Event
-from tests.servers.runner import (
-    HYPERCORN_ARGS,
-    UVICORN_ARGS,
-    Server,
-    ServerSpec,
-    command,
-    start_server,
-)
+from tests.servers.runner import HYPERCORN_ARGS, UVICORN_ARGS, Server, ServerSpec, command
 
 GRACEFUL = 1  # seconds, both servers' graceful timeout here
 THREAD_SECONDS = 0.3  # a worker thread's work that ends within the graceful timeout
@@ -106,7 +99,8 @@ def put_in_flight(server: Server, tag: str) -> tuple[dict[str, str], list[socket
 def shutdown_run(
     spec: ServerSpec, middleware: bool, sig: signal.Signals, workdir: Path, tag: str
 ) -> ShutdownResult:
-    server = start_server(spec, WITH if middleware else WITHOUT, workdir)
+    server = Server(spec, WITH if middleware else WITHOUT, workdir)
+    server.start()
     socks: list[socket.socket] = []
     try:
         ids, socks = put_in_flight(server, tag)

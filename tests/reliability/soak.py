@@ -23,12 +23,7 @@ from pathlib import Path
 from tests.servers.client import FIN, RST, close, connect, fetch, get, send_request
 from tests.servers.events import chunk
 from tests.servers.h2_client import H2Client
-from tests.servers.runner import (
-    HYPERCORN_ASYNCIO,
-    UVICORN_HTTPTOOLS,
-    Server,
-    running_server,
-)
+from tests.servers.runner import HYPERCORN_ASYNCIO, UVICORN_HTTPTOOLS, Server, running_server
 
 TARGET = "tests.servers.apps:hookless_app"
 # Our tasks (the middleware's, the app's) must be gone by then.
