@@ -458,9 +458,7 @@ async def test_listening_app_that_ignores_disconnect_is_cancelled_after_grace() 
 
 # -- a finished cycle ---------------------------------------------------------------------------
 @pytest.mark.parametrize("awaits", [False, True], ids=["never-awaits", "awaits"])
-async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(
-    awaits: bool,
-) -> None:
+async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(awaits: bool) -> None:
     """The context variable holds the cycle, and a server may copy the request's context in
     its final send: the finished cycle must not hold the server's receive/send, or the
     server's per-request objects live on in a reference cycle (10x the generation-0

@@ -8,12 +8,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from asgi_cancel import (
-    CancelOnDisconnectMiddleware,
-    CancelRegistry,
-    detach,
-    shield,
-)
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, detach, shield
 from asgi_cancel._forwarding import ForwardTo
 from asgi_cancel.httpx import CancelTransport, UpstreamCancelled
 from asgi_cancel.testing import ClientConnection, http_scope

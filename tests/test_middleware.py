@@ -16,15 +16,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import CancelledRequest, Message, Receive, Scope, Send
 
-from .helpers import (
-    cleanup_scope,
-    leave,
-    read_body,
-    slow_app,
-    tasks_alive,
-    until,
-    with_watchdog,
-)
+from .helpers import cleanup_scope, leave, read_body, slow_app, tasks_alive, until, with_watchdog
 
 pytestmark = pytest.mark.anyio
 PACKAGE = str(Path(__file__).parents[1] / "asgi_cancel")

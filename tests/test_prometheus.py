@@ -178,11 +178,7 @@ async def test_cardinality_bounded_under_a_thousand_distinct_paths() -> None:
     metrics = CancelMetrics(registry=registry)
     starlette = Starlette(routes=[Route("/users/{user_id}/orders", slow)])
     starlette.router.default = slow_fallback  # what no route matched: no scope["route"]
-    app = CancelOnDisconnectMiddleware(
-        starlette,
-        on_cancelled=metrics,
-        watch_delay=0,
-    )
+    app = CancelOnDisconnectMiddleware(starlette, on_cancelled=metrics, watch_delay=0)
 
     for n in range(1000):
         await leave(app, scope=http_scope("GET", f"/users/{n}/orders"), interval=0)

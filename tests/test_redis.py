@@ -64,9 +64,7 @@ def nodes(redis: RedisServer) -> Iterator[list[Node]]:
         node.close()
 
 
-def test_a_cancel_that_arrives_before_its_request_stops_it_when_it_comes(
-    nodes: list[Node],
-) -> None:
+def test_a_cancel_that_arrives_before_its_request_stops_it_when_it_comes(nodes: list[Node]) -> None:
     a, b, _ = nodes
     held, _ = a.acancel("early")
     assert held is False  # nothing held it yet: 404 from the endpoint
