@@ -22,7 +22,7 @@ from asgi_cancel import (
 )
 from asgi_cancel.types import ASGIApp, CancelledRequest, Message, Receive, Scope, Send
 
-from .helpers import WATCHDOG, QueueServer, call, until, with_watchdog
+from .helpers import WATCHDOG, QueueServer, receive_into, serving, until, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
@@ -44,12 +44,8 @@ def gone(code: int = 1001, reason: str = "") -> Message:
 
 @contextlib.asynccontextmanager
 async def session(app: ASGIApp, scope: Scope, server: QueueServer) -> AsyncIterator[None]:
-    """`app` serving `server`'s connection while the block runs; it must end within the
-    watchdog once the block is over."""
-    with anyio.fail_after(WATCHDOG):
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(call, app, scope, server.receive, server.send)
-            yield
+    async with serving(app, scope, server.receive, server.send):
+        yield
 
 
 def sent_types(server: QueueServer) -> list[str]:
@@ -59,6 +55,12 @@ def sent_types(server: QueueServer) -> list[str]:
 async def accept(receive: Receive, send: Send) -> None:
     assert (await receive())["type"] == "websocket.connect"
     await send({"type": "websocket.accept"})
+
+
+async def idle(scope: Scope, receive: Receive, send: Send) -> None:
+    """Accepts, then works until it is stopped."""
+    await accept(receive, send)
+    await anyio.sleep(30)
 
 
 # -- 20. the client leaves: the session's token, one cancellation --------------------------------
@@ -201,7 +203,7 @@ async def test_the_disconnect_is_replayed_to_every_caller_as_a_fresh_message() -
         await accept(receive, send)
         async with anyio.create_task_group() as readers:
             for _ in range(2):
-                readers.start_soon(lambda: _append(seen, receive))
+                readers.start_soon(receive_into, seen, receive)
         seen[0]["code"] = 0  # an app that changes its message changes nothing for others
         seen.append(await receive())
 
@@ -213,10 +215,6 @@ async def test_the_disconnect_is_replayed_to_every_caller_as_a_fresh_message() -
     assert [message["code"] for message in seen] == [0, 4001, 4001]
     assert all(message["reason"] == "bye" for message in seen)
     assert server.receive_calls == 2  # the server's receive() is never called again after it
-
-
-async def _append(seen: list[Message], receive: Receive) -> None:
-    seen.append(await receive())
 
 
 # -- 22. an app that listens itself --------------------------------------------------------------
@@ -270,18 +268,11 @@ async def test_a_session_cancelled_by_id_is_closed_with_4499() -> None:
 
 
 async def test_a_session_past_its_deadline_is_closed_with_4504() -> None:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await accept(receive, send)
-        await anyio.sleep(30)
-
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, session_timeout=0.05, timeout=0.001)
+    middleware = CancelOnDisconnectMiddleware(idle, session_timeout=0.05, timeout=0.001)
     await with_watchdog(middleware(ws_scope(), server.receive, server.send))
-    assert server.sent[-1] == {
-        "type": "websocket.close",
-        "code": 4504,
-        "reason": "deadline exceeded",
-    }
+    closed = {"type": "websocket.close", "code": 4504, "reason": "deadline exceeded"}
+    assert server.sent[-1] == closed
 
 
 @pytest.mark.parametrize("denial", [False, True], ids=["close", "denial response"])
@@ -394,12 +385,8 @@ async def test_a_cancelled_session_is_logged_and_counted_with_its_phase_and_code
 
     registry = CollectorRegistry()
 
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await accept(receive, send)
-        await anyio.sleep(30)
-
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, on_cancelled=CancelMetrics(registry=registry))
+    middleware = CancelOnDisconnectMiddleware(idle, on_cancelled=CancelMetrics(registry=registry))
     with caplog.at_level("INFO", logger="asgi_cancel"):
         async with session(middleware, ws_scope(), server):
             await until(lambda: server.receive_calls >= 2)
