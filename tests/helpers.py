@@ -29,7 +29,7 @@ WATCHDOG = 5.0
 DISCONNECT: Message = {"type": "http.disconnect"}
 REQUEST_DONE: Message = {"type": "http.request", "body": b"", "more_body": False}
 # What the middleware completes a cancelled HTTP/1.1 request with, for an outer middleware.
-CANCELLED_RESPONSE = [
+CANCELLED_RESPONSE: list[Message] = [
     {"type": "http.response.start", "status": 499, "headers": []},
     {"type": "http.response.body", "body": b"", "more_body": False},
 ]
