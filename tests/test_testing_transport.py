@@ -17,6 +17,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware
 from asgi_cancel.testing import AppStillRunning, ASGITransport
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
+from .helpers import DISCONNECT, REQUEST_DONE
 from .test_packaging import run_hidden
 
 # Leaving `async for` over an httpx stream early (what these tests do, and users) leaves httpx's
@@ -266,10 +267,7 @@ async def test_a_request_without_a_body_is_one_message_then_the_disconnect() -> 
     with anyio.fail_after(5):
         async with client(ASGITransport(app)) as http:
             assert (await http.get("/")).text == "ok"
-    assert received == [
-        {"type": "http.request", "body": b"", "more_body": False},
-        {"type": "http.disconnect"},
-    ]
+    assert received == [REQUEST_DONE, DISCONNECT]
 
 
 async def boom_before(scope: Scope, receive: Receive, send: Send) -> None:
