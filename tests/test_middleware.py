@@ -16,16 +16,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import CancelledRequest, Message, Receive, Scope, Send
 
-from .helpers import (
-    cleanup_scope,
-    leave,
-    read_body,
-    respond,
-    slow_app,
-    tasks_alive,
-    until,
-    with_watchdog,
-)
+from .helpers import cleanup_scope, leave, read_body, slow_app, tasks_alive, until, with_watchdog
 
 pytestmark = pytest.mark.anyio
 PACKAGE = str(Path(__file__).parents[1] / "asgi_cancel")
@@ -158,7 +149,8 @@ async def test_what_the_app_returned_reaches_the_server(
         if awaits:
             await anyio.sleep(0.001)
         if scope["type"] == "http":
-            await respond(send)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
         return "a value"
 
     conn = ClientConnection()
