@@ -539,8 +539,7 @@ def check(
 async def test_random_schedules_keep_the_contract(
     anyio_backend: str, case: tuple[Behaviour, Schedule]
 ) -> None:
-    behaviour, schedule = case
-    await run_example(behaviour, schedule)
+    await run_example(*case)
 
 
 @pytest.mark.asyncio_only(reason="Django's shape is asyncio code")
@@ -549,8 +548,7 @@ async def test_random_schedules_keep_the_contract(
 async def test_random_schedules_with_a_self_cancelling_app(
     anyio_backend: str, case: tuple[Behaviour, Schedule]
 ) -> None:
-    behaviour, schedule = case
-    await run_example(behaviour, schedule)
+    await run_example(*case)
 
 
 # -- found by the properties above: minimal reproductions --------------------------------------
