@@ -126,15 +126,14 @@ class Disconnected(RuntimeError):
 Disconnected.__module__ = "autobahn.exception"
 
 
-@pytest.mark.parametrize(
-    ("error", "gone"),
-    [
-        (ConnectionResetError("the client has gone"), True),  # uvicorn's ClientDisconnected
-        (Disconnected("Attempt to send on a closed protocol"), True),  # daphne's
-        (RuntimeError("Unexpected ASGI message 'websocket.send'"), False),  # the app's mistake
-    ],
-    ids=["OSError", "daphne", "other"],
-)
+SEND_ERRORS = {
+    "OSError": (ConnectionResetError("the client has gone"), True),  # uvicorn's ClientDisconnected
+    "daphne": (Disconnected("Attempt to send on a closed protocol"), True),
+    "other": (RuntimeError("Unexpected ASGI message 'websocket.send'"), False),  # the app's own
+}
+
+
+@pytest.mark.parametrize(("error", "gone"), SEND_ERRORS.values(), ids=SEND_ERRORS)
 async def test_a_send_that_fails_before_the_disconnect_still_fires_the_token(
     error: Exception, gone: bool
 ) -> None:
