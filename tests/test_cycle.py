@@ -137,9 +137,8 @@ async def test_extra_empty_request_after_body_is_ignored() -> None:
             server.disconnect()
         await respond(send)
 
-    await with_watchdog(
-        CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, server.send)
-    )
+    middleware = CancelOnDisconnectMiddleware(app)
+    await with_watchdog(middleware(http_scope(), server.receive, server.send))
     assert received == [{"type": "http.request", "body": b"abc", "more_body": False}, DISCONNECT]
 
 
@@ -472,11 +471,10 @@ async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(aw
     server = KeepAliveServer()
     kept = server.kept
     alive = weakref.ref(server)
+    middleware = CancelOnDisconnectMiddleware(app)
     gc.disable()
     try:
-        await with_watchdog(
-            CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, server.send)
-        )
+        await with_watchdog(middleware(http_scope(), server.receive, server.send))
         del server
         assert len(kept) == 1  # the copied context is still held...
         assert alive() is None  # ...and the server's object was freed without the GC
