@@ -269,10 +269,7 @@ class Node:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.run(self._start())
-
-    async def _start(self) -> None:
-        self.registry.started()
+        self.loop.call_soon_threadsafe(self.registry.started)  # its broker starts in its loop
 
     def run(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(NODE_WATCHDOG)
