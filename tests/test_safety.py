@@ -115,7 +115,7 @@ async def test_request_does_not_unwind_around_a_running_thread(
     assert events == ["thread started", "thread done", "after the thread", "cancelled", "teardown"]
 
 
-@pytest.mark.parametrize("endpoint_kind", ["def", "async def"])
+@pytest.mark.parametrize("endpoint_kind", ["def", "async-def"])
 async def test_fastapi_yield_dependency_torn_down_after_the_thread(endpoint_kind: str) -> None:
     """The usual `get_db()` dependency: closed only once the endpoint's thread is done."""
     events: list[str] = []
@@ -132,22 +132,21 @@ async def test_fastapi_yield_dependency_torn_down_after_the_thread(endpoint_kind
         events.append("endpoint returned")
 
     api = FastAPI()
-    if endpoint_kind == "def":
 
-        @api.get("/")
-        def sync_endpoint(db: str = Depends(get_db)) -> dict[str, str]:
-            work(db)
-            return {"status": "done"}
+    @api.get("/def")
+    def sync_endpoint(db: str = Depends(get_db)) -> dict[str, str]:
+        work(db)
+        return {"status": "done"}
 
-    else:
+    @api.get("/async-def")
+    async def async_endpoint(db: str = Depends(get_db)) -> dict[str, str]:
+        await run_in_threadpool(work, db)
+        await anyio.sleep(30)
+        return {"status": "done"}
 
-        @api.get("/")
-        async def async_endpoint(db: str = Depends(get_db)) -> dict[str, str]:
-            await run_in_threadpool(work, db)
-            await anyio.sleep(30)
-            return {"status": "done"}
-
-    await leave(CancelOnDisconnectMiddleware(api), when=lambda: "endpoint started" in events)
+    middleware = CancelOnDisconnectMiddleware(api)
+    scope = http_scope(path=f"/{endpoint_kind}")
+    await leave(middleware, scope=scope, when=lambda: "endpoint started" in events)
     assert events == ["endpoint started", "endpoint returned", "session closed"]
 
 
