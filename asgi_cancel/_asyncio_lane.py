@@ -45,6 +45,16 @@ _current_tasks: dict[object, Any] = getattr(_asyncio, "_current_tasks", {})
 current_task: Callable[[], Any] = getattr(
     _asyncio, "current_task", lambda: _current_tasks.get(_get_running_loop())
 )
+
+
+def task_here() -> Any:
+    """The running task, or None in a worker thread (where 3.12's current_task() raises)."""
+    try:
+        return current_task()
+    except RuntimeError:
+        return None
+
+
 # What the watcher and the timers run in: they must not carry one request's context variables
 # (a request id in a log line) into code that runs for it, nor keep its context alive.
 NO_CONTEXT = contextvars.Context()
@@ -76,7 +86,7 @@ class AsyncioLane:
         # The request's own task: once the app first waited, the one that ran its first step
         # (`watch_after` sets it); before that, the caller's, unless a worker thread's.
         task = cycle.app_task
-        self.task: asyncio.Task[Any] = task if task is not None else current_task()
+        self.task: asyncio.Task[Any] = task if task is not None else task_here()
         self.watcher: HandStepped | asyncio.Task[None] | None = None
         self.watching = False  # the watcher started, and has not ended
         self.parked: list[asyncio.Future[None]] | None = None  # app callers waiting
@@ -152,7 +162,7 @@ class AsyncioLane:
         return False  # the turn's scope tells whether its own cancellation ended it
 
     def in_app_task(self) -> bool:
-        return self.task is current_task()
+        return self.task is task_here()
 
     def call_later(self, delay: float, callback: Callable[[], object]) -> asyncio.TimerHandle:
         return self.task.get_loop().call_later(delay, callback, context=NO_CONTEXT)

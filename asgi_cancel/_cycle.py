@@ -260,6 +260,16 @@ class Cycle(Generic[L]):
             self.holding = False
             self.wake()
 
+    def _drop(self, message: Message) -> Awaitable[None]:
+        # A stopped request's send: dropped. While the lane holds the app's cancellation (for
+        # its worker thread), a checkpoint too: the cancellation lands at the app's first await
+        # after the thread, in a loop of thread calls and sends (a generation stepped in a
+        # thread) this one.
+        scope = self._scope
+        if scope is not None and scope.held and not scope.issued:
+            return self.ensure_lane().checkpoint()
+        return _dropped_send()
+
     def wake(self) -> None:
         if self.lane is not None:
             self.lane.wake()
@@ -336,7 +346,7 @@ class Cycle(Generic[L]):
         self.state = STOPPED
         self.stopped = stopped  # by `stop()`: the client may be there still
         self.stopped_with = status
-        self.target = _dropped  # the client is gone (or gets our answer): sends are dropped
+        self.target = self._drop  # the client is gone (or gets our answer): sends are dropped
         scope = self.cancel_scope
         scope.fire(reason)
         started = self.first_sent is not None

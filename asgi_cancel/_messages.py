@@ -19,22 +19,23 @@ __all__ = [
 BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE", "TRACE")
 # What the app's receive() gets a copy of once the request is over for it.
 DISCONNECT: Message = {"type": "http.disconnect"}
-_COMPLETING = ("http.response.pathsend", "http.response.zerocopy")
+# Body messages: the response's own, and the zero-copy extension's (a file's bytes).
+_BODIES = ("http.response.body", "http.response.zerocopysend")
 
 
 def response_complete(start: Message, last: Message) -> bool:
     """Whether `last`, the last message sent after the response `start`, ended the response."""
     message_type = last["type"]
-    if message_type == "http.response.body":
+    if message_type in _BODIES:
         return not start.get("trailers", False) and not last.get("more_body", False)
     if message_type == "http.response.trailers":
         return not last.get("more_trailers", False)
-    return message_type in _COMPLETING
+    return bool(message_type == "http.response.pathsend")
 
 
 def body_complete(last: Message) -> bool:
     """Whether the response body is complete once `last` was sent (its trailers may not be)."""
-    if last["type"] == "http.response.body":
+    if last["type"] in _BODIES:
         return not last.get("more_body", False)
     return bool(last["type"] == "http.response.trailers")
 

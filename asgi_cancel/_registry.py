@@ -289,12 +289,16 @@ class CancelRegistry:
     def _stop_here(
         self, request_id: str, reason: str
     ) -> tuple[bool, list[concurrent.futures.Future[bool]]]:
-        """Stop this thread's requests with the id; hand the others' stops to their loops."""
+        """Stop this thread's requests with the id; hand the others' stops to their loops.
+        Never the caller's own request (a cancel sent with the id it cancels)."""
         here = threading.get_ident()
+        caller: object = current_request()
         stopped = False
         handed: list[concurrent.futures.Future[bool]] = []
         for thread, table in list(self._tables.items()):
             for cycle, call_soon_threadsafe in list(table.get(request_id, {}).items()):
+                if cycle is caller:
+                    continue
                 if thread == here:
                     stopped = cycle.stop(reason, CANCELLED_STATUS) or stopped
                 else:

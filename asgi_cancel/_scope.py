@@ -65,6 +65,7 @@ class CancelScope:
         "deadline",
         "deferred",
         "detached",
+        "held",
         "issued",
         "lane",
         "over",
@@ -84,6 +85,7 @@ class CancelScope:
         self.deferred = False  # a cancellation waits for the outermost shield's end
         self.detached = False
         self.issued = False  # the app task's cancellation is in flight, and it is ours
+        self.held = False  # the lane holds the cancellation until the app's current wait ends
         self.over = False  # the app has returned
         self.timer: Timer | None = None  # the grace period of a listening app
         self.request_id: str | None = None
@@ -129,6 +131,8 @@ class CancelScope:
             self.deferred = True
         elif self.lane.cancel_app():
             self.issued = True
+        else:
+            self.held = True  # (it calls this again)
 
     def _grace_over(self) -> None:
         self.timer = None

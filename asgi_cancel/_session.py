@@ -75,6 +75,7 @@ class Session(Generic[L]):
         "real_receive",
         "real_send",
         "scope",
+        "send_failed",
         "started_at",
         "stopped_with",
     )
@@ -101,6 +102,7 @@ class Session(Generic[L]):
         self.disconnect: Message | None = None  # the client's, or ours once stopped
         self.stopped_with: int | None = None  # set once the session stopped
         self.closing: Message | None = None  # what `complete()` sends the server, if anything
+        self.send_failed = False  # stopped by a failed send: the app is cancelled at the disconnect
         self.buffer: deque[Message] = deque()  # read ahead, not yet taken by the app
         self.buffered = 0  # what `buffer` counts against `read_ahead`
         self.reading = False  # the watcher waits in the server's receive()
@@ -179,6 +181,7 @@ class Session(Generic[L]):
             # aborts would otherwise generate for nobody); the app gets the error, as it came.
             if self.disconnect is None and self.phase is not CLOSED and _client_gone(exc):
                 self.phase = phase  # (an accept that failed accepted nothing)
+                self.send_failed = True
                 self._stop(REASON, None, cancel=False)
             raise
 
@@ -202,6 +205,11 @@ class Session(Generic[L]):
             self.closing = {"type": "websocket.close", "code": 1000, "reason": ""}
         if self.phase is HANDSHAKE or self.phase is OPEN:
             self._stop(REASON, message.get("code"))
+        elif self.send_failed:
+            # The app was told by the error, and may have gone on (a ticker that skips a failed
+            # send): if it still runs `grace` from now, it is cancelled.
+            self.send_failed = False
+            self.cancel_scope.cancel_app(listening=True)
         self.ensure_lane().wake()
 
     def stop(self, reason: str, status: int) -> bool:

@@ -10,7 +10,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ContextDecorator, contextmanager
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from ._backend import Lane, library
 from ._scope import CancelScope, TokenUsage
@@ -316,7 +316,7 @@ class detach(ContextDecorator):  # lower case: used like shield(), a function-li
                 with self:
                     return await func(*args, **kwargs)
 
-            return detached  # type: ignore[return-value]
+            return cast(_F, detached)
         return super().__call__(func)
 
 

@@ -135,8 +135,10 @@ class _Turn:
         unbind(self.bound)
         scope = self.cancel_scope
         absorbed = self.own.leave(self.entered, exc_type, exc, traceback)
-        if isinstance(exc, asyncio.CancelledError) and scope.issued:
-            absorbed = scope.absorbs()  # its own cancellation, and nobody else's pending
+        if isinstance(exc, asyncio.CancelledError) and scope.cancel_called:
+            # Its own cancellation (issued, or raised by `raise_if_cancelled()` in a worker
+            # thread), and nobody else's pending.
+            absorbed = scope.absorbs()
         scope.close()
         return absorbed
 

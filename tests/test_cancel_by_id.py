@@ -169,6 +169,24 @@ async def test_the_endpoint_cancels_a_running_request(method: str, path: str) ->
     assert (await call(endpoint, "POST", "/v1/requests/a/b/c", secret))[0] == 404
 
 
+async def test_a_cancel_sent_with_the_id_it_cancels_does_not_cancel_itself() -> None:
+    """A client that reuses its correlation id on the cancel call: the endpoint, behind the
+    same middleware, is registered under that id too; it stops the other request, not itself."""
+    events: list[str] = []
+    registry = CancelRegistry()
+    middleware = CancelOnDisconnectMiddleware(tracked_app(events), registry=registry)
+    endpoint = CancelOnDisconnectMiddleware(
+        cancel_endpoint(registry, authorize=None), registry=registry
+    )
+    async with running(middleware, with_id("r1")) as conn:
+        await until(lambda: "r1" in registry)
+        answer = await with_watchdog(
+            call(endpoint, "POST", "/v1/requests/r1/cancel", [(b"x-request-id", b"r1")])
+        )
+        assert answer == (200, {"id": "r1", "cancelled": True})
+    assert conn.status == 499
+
+
 async def test_the_endpoint_answers_with_the_id_in_the_registry_header() -> None:
     registry = CancelRegistry(header="X-Correlation-Id")
     endpoint = cancel_endpoint(registry, authorize=None)

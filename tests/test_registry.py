@@ -102,8 +102,9 @@ async def test_the_endpoint_answers_400_for_an_id_no_request_can_have(path: str)
 
 def test_unregistering_requests_that_share_an_id_is_linear() -> None:
     """A gateway that retries keeps one id: 10,000 requests with the same id took 1.22 s to
-    unregister (a list copied per request), against 7 ms now. Compared as a ratio between
-    two sizes (quadratic: x100, linear: x10), the best of three runs each."""
+        unregister (a list copied per request), against 7 ms now. Compared as a ratio between
+        two sizes (quadratic: x100, linear: x10), the best of five runs each (the machine is shared:
+    the bound sits halfway)."""
 
     def unregister_all(count: int) -> float:
         registry = CancelRegistry()
@@ -117,9 +118,9 @@ def test_unregistering_requests_that_share_an_id_is_linear() -> None:
         assert len(registry) == 0
         return elapsed
 
-    small = min(unregister_all(2_000) for _ in range(3))
-    large = min(unregister_all(20_000) for _ in range(3))
-    assert large / small < 30
+    small = min(unregister_all(2_000) for _ in range(5))
+    large = min(unregister_all(20_000) for _ in range(5))
+    assert large / small < 50
 
 
 class Stopped:

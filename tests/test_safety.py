@@ -74,13 +74,14 @@ THREAD_RUNNERS: dict[str, ThreadRunner] = {
     "asgiref.sync_to_async": lambda work: sync_to_async(work, thread_sensitive=False)(),
 }
 ANYIO_RUNNERS = ("anyio.to_thread", "starlette.run_in_threadpool")  # the others are asyncio's
-
-
-@pytest.mark.parametrize(
+ON_EACH_RUNNER = pytest.mark.parametrize(
     ("anyio_backend", "runner"),
     [("asyncio", name) for name in THREAD_RUNNERS] + [("trio", name) for name in ANYIO_RUNNERS],
     ids=lambda value: str(value),
 )
+
+
+@ON_EACH_RUNNER
 async def test_request_does_not_unwind_around_a_running_thread(
     anyio_backend: str, runner: str
 ) -> None:
@@ -113,6 +114,30 @@ async def test_request_does_not_unwind_around_a_running_thread(
     await leave(CancelOnDisconnectMiddleware(app), when=lambda: "thread started" in events)
     assert fired_while_thread_ran.is_set()  # the token told the thread at once
     assert events == ["thread started", "thread done", "after the thread", "cancelled", "teardown"]
+
+
+@ON_EACH_RUNNER
+async def test_a_loop_of_thread_calls_and_sends_stops_after_the_running_thread(
+    anyio_backend: str, runner: str
+) -> None:
+    """A generation stepped in a worker thread, each chunk sent: the cancellation lands at the
+    send after the running thread (asyncio's thread calls await nothing else in between)."""
+    stepped: list[int] = []
+
+    def step() -> None:
+        time.sleep(0.02)
+        stepped.append(len(stepped))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(100):
+            await THREAD_RUNNERS[runner](step)
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+
+    conn = await leave(CancelOnDisconnectMiddleware(app), when=lambda: len(stepped) == 3)
+    assert conn.app_exception is None
+    assert len(stepped) <= 5, stepped  # without the checkpoint: all 100
 
 
 @pytest.mark.parametrize("endpoint_kind", ["def", "async-def"])

@@ -202,6 +202,29 @@ async def test_thread_that_checks_the_token_stops_at_its_next_check() -> None:
     assert conn.app_exception is None  # trio: asyncio's CancelledError, trio's meaning
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_thread_started_in_the_apps_first_step_gets_the_token(anyio_backend: str) -> None:
+    """A thread that asks for the token before the app first waited makes the request's lane
+    outside the event loop (where Python 3.12's current_task() raises)."""
+    tokens: list[CancelToken] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        context = contextvars.copy_context()
+        asked = asyncio.get_running_loop().run_in_executor(
+            None, context.run, lambda: tokens.append(current_token())
+        )
+        time.sleep(0.05)  # noqa: ASYNC251 - sync work in the first step, while the thread asks
+        await asked
+        await respond(send)
+
+    conn = ClientConnection()
+    with anyio.fail_after(5):
+        await conn.run(CancelOnDisconnectMiddleware(app), http_scope())
+    assert conn.status == 200
+    assert len(tokens) == 1
+    assert not tokens[0].cancelled
+
+
 async def test_token_made_on_first_use_is_one_token_across_threads() -> None:
     """The token is made on first use: threads asking for it at the same moment all get the
     one token that the disconnect fires (not one each, of which only one would fire)."""

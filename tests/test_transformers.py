@@ -90,11 +90,8 @@ class FakeModel:
                     streamer.put(made)
                 ids = FakeIds(rows, self.prompt + made)
                 done = [criterion(ids, None) for criterion in stopping_criteria]
-                if (
-                    not ignore_criteria
-                    and done
-                    and all(any(row) for row in zip(*done, strict=True))
-                ):
+                every_row = done and all(any(row) for row in zip(*done, strict=True))
+                if every_row and not ignore_criteria:
                     break
             if streamer is not None:
                 streamer.end()
@@ -146,21 +143,17 @@ def test_criteria_stops_within_one_token_of_the_cancellation() -> None:
     assert usage.after_cancel <= 1
 
 
-def test_without_the_criteria_generation_runs_to_max_new_tokens() -> None:
-    # The control: a cancelled token alone stops nothing.
+@pytest.mark.parametrize("criteria", [True, False], ids=["criteria", "control"])
+def test_a_fired_token_stops_every_row_at_once_only_through_the_criteria(criteria: bool) -> None:
     model = FakeModel(step=0.0005)
     token, fire = fired_token()
     fire()
-    assert model.generate(max_new_tokens=300) == 300
-    assert token.usage is None
-
-
-def test_criteria_counts_every_row_and_stops_them_all() -> None:
-    model = FakeModel()
-    token, fire = fired_token()
-    criteria = CancelCriteria(token)
-    fire()
-    model.generate(max_new_tokens=100, stopping_criteria=[criteria], rows=3)
+    given: list[Callable[..., Any]] = [CancelCriteria(token)] if criteria else []
+    model.generate(max_new_tokens=300, stopping_criteria=given, rows=3)
+    if not criteria:  # the control: a cancelled token alone stops nothing
+        assert len(model.made) == 300
+        assert token.usage is None
+        return
     assert len(model.made) == 1
     assert token.usage is not None
     assert (token.usage.prompt_tokens, token.usage.completion_tokens) == (15, 3)
@@ -295,32 +288,39 @@ def test_criteria_made_in_a_shield_is_not_reported(
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
-@pytest.mark.parametrize("keep", ["shield", "detach"])
+@pytest.mark.parametrize("keep", ["shield", "detach", "shield-stream"])
 def test_shielded_or_detached_generation_runs_to_the_end(keep: str) -> None:
     model = FakeModel(step=0.001)
-    seen: list[CancelCriteria] = []
+    seen: list[Any] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
-        with shield() if keep == "shield" else detach():
-            criteria = CancelCriteria()
-            seen.append(criteria)
-            await asyncio.to_thread(
-                model.generate, max_new_tokens=150, stopping_criteria=[criteria]
-            )
+        with shield() if keep.startswith("shield") else detach():
+            if keep == "shield-stream":
+                generation = generate_in_thread(
+                    model.generate, streamer=FakeStreamer(), max_new_tokens=150
+                )
+                seen.extend(await asyncio.to_thread(list, generation))
+            else:
+                seen.append(criteria := CancelCriteria())
+                await asyncio.to_thread(
+                    model.generate, max_new_tokens=150, stopping_criteria=[criteria]
+                )
         await respond(send)
 
     asyncio.run(leave(CancelOnDisconnectMiddleware(app), when=lambda: len(model.made) >= 10))
     assert len(model.made) == 150
-    assert not seen[0].stopped
+    if keep == "shield-stream":
+        assert len(seen) == 150  # every text read
+    else:
+        assert not seen[0].stopped
 
 
 def test_stream_ends_at_the_disconnect_and_the_thread_within_one_token() -> None:
     model = FakeModel()
     token, fire = fired_token()
-    streamer = FakeStreamer()
     generation = generate_in_thread(
-        model.generate, token=token, streamer=streamer, max_new_tokens=5000
+        model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=5000
     )
     texts = []
     fired_at = 0.0
@@ -337,26 +337,27 @@ def test_stream_ends_at_the_disconnect_and_the_thread_within_one_token() -> None
     assert token.usage.after_cancel <= 1
 
 
-def test_stream_reader_ends_at_the_disconnect_before_any_token() -> None:
-    # A long prefill: no token comes, and the reader still ends at the disconnect.
+@pytest.mark.parametrize("how", ["cancel", "stop"])
+def test_the_reader_ends_before_any_token_at_a_cancel_or_a_stop(how: str) -> None:
+    # A long prefill: no token comes, and the reader still ends at the disconnect or stop().
     model = FakeModel(first_token_delay=0.5)
     token, fire = fired_token()
     generation = generate_in_thread(
         model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=5000, join_timeout=0
     )
-    threading.Timer(0.05, fire).start()
+    threading.Timer(0.05, fire if how == "cancel" else generation.stop).start()
     started = time.monotonic()
     assert list(generation) == []
     assert time.monotonic() - started < 0.45
     assert model.ended.wait(WATCHDOG)
     assert len(model.made) == 1  # the first token, then the criteria stopped it
+    assert generation.stopped
 
 
 def test_stream_without_cancellation_reads_everything() -> None:
     model = FakeModel(step=0)
-    streamer = FakeStreamer()
     generation = generate_in_thread(
-        model.generate, token=CancelToken(), streamer=streamer, max_new_tokens=40
+        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=40
     )
     assert len(list(generation)) == 40
     assert generation.result(WATCHDOG) == 40
@@ -394,10 +395,9 @@ def test_generation_error_ends_the_stream_with_it() -> None:
     )
     with pytest.raises(RuntimeError, match="the model broke"):
         list(generation)
+    whole = generate_in_thread(model.generate, token=CancelToken(), max_new_tokens=9, fail_at=2)
     with pytest.raises(RuntimeError, match="the model broke"):
-        generate_in_thread(model.generate, token=CancelToken(), max_new_tokens=9, fail_at=2).result(
-            WATCHDOG
-        )
+        whole.result(WATCHDOG)
 
 
 def test_reader_that_leaves_early_stops_the_generation() -> None:
@@ -413,7 +413,7 @@ def test_reader_that_leaves_early_stops_the_generation() -> None:
     assert generation.stopped
 
 
-def test_stopping_criteria_given_are_kept_and_not_changed() -> None:
+def test_without_a_streamer_the_criteria_given_are_kept_and_there_is_nothing_to_read() -> None:
     model = FakeModel(step=0)
     calls: list[int] = []
 
@@ -425,46 +425,11 @@ def test_stopping_criteria_given_are_kept_and_not_changed() -> None:
     generation = generate_in_thread(
         model.generate, token=CancelToken(), max_new_tokens=7, stopping_criteria=given
     )
+    with pytest.raises(ValueError, match="streamer="):  # join_timeout: test_validate.py
+        list(generation)
     assert generation.result(WATCHDOG) == 7
     assert given == [counting]
     assert len(calls) == 7
-
-
-def test_generate_in_thread_checks_its_options() -> None:  # join_timeout: test_validate.py
-    generation = generate_in_thread(
-        FakeModel(step=0).generate, token=CancelToken(), max_new_tokens=1
-    )
-    with pytest.raises(ValueError, match="streamer="):
-        list(generation)
-    assert generation.result(WATCHDOG) == 1
-
-
-def test_stop_ends_the_reader_and_the_generation() -> None:
-    model = FakeModel(first_token_delay=0.2)
-    generation = generate_in_thread(
-        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=5000
-    )
-    threading.Timer(0.05, generation.stop).start()
-    assert list(generation) == []
-    assert model.ended.wait(WATCHDOG)
-    assert len(model.made) == 1
-    assert generation.stopped
-
-
-def test_shielded_stream_reads_on_to_the_end() -> None:
-    model = FakeModel(step=0.001)
-    texts: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        with shield():
-            streamer = FakeStreamer()
-            generation = generate_in_thread(model.generate, streamer=streamer, max_new_tokens=150)
-            texts.extend(await asyncio.to_thread(list, generation))
-        await respond(send)
-
-    asyncio.run(leave(CancelOnDisconnectMiddleware(app), when=lambda: len(model.made) >= 10))
-    assert len(texts) == 150
 
 
 def test_error_of_a_stopped_generation_is_logged_not_raised(

@@ -6,11 +6,13 @@ trio, against a scripted server (tests/servers/test_websockets.py has the real o
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from asgi_cancel import (
@@ -168,6 +170,35 @@ async def test_a_send_that_fails_before_the_disconnect_still_fires_the_token(
         assert records[0].reason == "client disconnected"
         assert records[0].response_started
         assert records[0].close_code is None  # the server's send said no code
+
+
+async def test_an_app_that_goes_on_after_a_failed_send_is_cancelled_at_the_disconnect() -> None:
+    """A ticker that skips a send that failed (the client gone) would tick for nobody: the
+    disconnect that follows cancels it, `grace` later."""
+    events: list[str] = []
+    server = QueueServer(CONNECT)
+
+    async def send(message: Message) -> None:
+        if message["type"] == "websocket.send" and message["text"] == "tick 3":
+            server.put(gone(1006))  # the server hands over the disconnect after failing
+            raise ConnectionResetError("the client has gone")
+        server.sent.append(message)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        try:
+            for tick in range(1000):
+                with contextlib.suppress(OSError):
+                    await send({"type": "websocket.send", "text": f"tick {tick}"})
+                await anyio.sleep(0.001)
+            events.append("ran to the end")
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+
+    middleware = CancelOnDisconnectMiddleware(app, grace=GRACE)
+    await with_watchdog(middleware(ws_scope(), server.receive, send))
+    assert events == ["cancelled"]
 
 
 # -- 21. messages: in order, none lost, within read_ahead ----------------------------------------
@@ -337,6 +368,37 @@ async def test_a_turn_cancelled_alone_leaves_the_session_open() -> None:
         server.put(gone(1000))
     assert events == [("turn cancelled", "response.cancel", False), "after the turn"]
     assert {"type": "websocket.send", "text": "response.cancelled"} in server.sent
+
+
+async def test_a_worker_thread_that_raises_at_the_turns_cancel_ends_only_the_turn() -> None:
+    """Sync generation in a worker thread checks the turn's token (`raise_if_cancelled()`): its
+    CancelledError ends the turn's block, not the session."""
+    events: list[str] = []
+    running: list[turn] = []
+
+    def generate() -> None:
+        token = current_token()
+        for _ in range(1000):
+            token.raise_if_cancelled()
+            time.sleep(0.005)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        current = turn()
+        running.append(current)
+        with current:
+            await anyio.to_thread.run_sync(generate)
+        events.append("after the turn")
+        await send({"type": "websocket.close", "code": 1000})
+
+    server = QueueServer(CONNECT)
+    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+        await until(lambda: bool(running))
+        await anyio.sleep(0.02)
+        running[0].cancel()
+        await until(lambda: bool(events))
+    assert events == ["after the turn"]
+    assert sent_types(server) == ["websocket.accept", "websocket.close"]
 
 
 async def test_a_closing_socket_cancels_the_turn_in_flight() -> None:

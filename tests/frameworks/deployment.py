@@ -1,16 +1,15 @@
 """Each framework's app under a real server, with the middleware and without it (the control):
-started at first use, kept for the module, its logs checked at the end (the `deploy` fixture of
-tests/frameworks/conftest.py)."""
+started at first use, kept for the module, its logs checked at the end (the `deploy` fixture,
+which conftest.py makes this folder's)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import pytest
 
 from ..servers.client import fetch
-from ..servers.events import Event
 from ..servers.runner import Server, ServerSpec, serving
 
 Deployment = dict[bool, Server]  # one framework's app under one server: with the middleware?
@@ -18,10 +17,11 @@ Deploy = Callable[[str, ServerSpec], Deployment]
 MIDDLEWARE = pytest.mark.parametrize("middleware", [True, False], ids=["with", "control"])
 
 
-@contextmanager
-def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deploy]:
-    """`deploy(framework, spec)`: its two servers, started at the first use, kept until the
-    block exits (so each starts once, whichever test comes first), logs checked at the end."""
+@pytest.fixture(scope="module")
+def deploy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deploy]:
+    """`deploy(framework, spec)`: its two servers, with the middleware and without, started at
+    the first use, kept for the module (so each starts once, whichever test comes first), logs
+    checked at the end."""
     started: dict[tuple[str, ServerSpec], Deployment] = {}
     with ExitStack() as stack:
 
@@ -37,16 +37,6 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deploy]:
         for deployment in started.values():
             for server in deployment.values():
                 assert_clean_log(server)
-
-
-def of(events: list[Event], name: str) -> list[Event]:
-    return [event for event in events if event["event"] == name]
-
-
-def one(events: list[Event], name: str) -> Event:
-    found = of(events, name)
-    assert len(found) == 1, f"expected one {name!r} event, got {found}; all: {events}"
-    return found[0]
 
 
 def assert_clean_log(server: Server) -> None:

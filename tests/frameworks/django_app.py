@@ -37,14 +37,7 @@ from django.http import (  # type: ignore[import-untyped]  # noqa: E402
 )
 from django.urls import path  # type: ignore[import-untyped]  # noqa: E402
 
-from .appkit import (  # noqa: E402
-    NORMAL_BODY,
-    NORMAL_HEADER,
-    blocking_work,
-    chunks,
-    served,
-    slow_work,
-)
+from .appkit import NORMAL_BODY, NORMAL_HEADER, blocking_work, chunks, served, slow_work  # noqa: E402
 
 
 def text(body: str) -> HttpResponse:
@@ -82,13 +75,7 @@ def sync(request: HttpRequest) -> HttpResponse:
     return text(blocking_work(query["id"], float(query.get("t", "30"))))
 
 
-urlpatterns = [
-    path("hello", hello),
-    path("normal", normal),
-    path("slow", slow),
-    path("stream", stream),
-    path("sync", sync),
-]
+urlpatterns = [path(view.__name__, view) for view in (hello, normal, slow, stream, sync)]
 
 
 django_application = get_asgi_application()

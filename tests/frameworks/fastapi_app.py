@@ -36,7 +36,6 @@ RequestId = Annotated[str, Query(alias="id")]
 
 
 def get_db(rid: RequestId) -> Iterator[Resource]:
-    """`def get_db(): db = Session(); try: yield db; finally: db.close()`."""
     yield from resource_dependency(rid)
 
 

@@ -57,7 +57,6 @@ class Outcome:
 class RunningProxy:
     proxy: Proxy
     version: str
-    server: Server  # the proxy's process; its port is the `defaults` listener
     backend: Server
     ports: Ports
 
@@ -74,16 +73,14 @@ def running_proxy(proxy: Proxy, backend: Server, workdir: Path) -> Iterator[Runn
     def argv(target: str, port: int) -> list[str]:
         ports = Ports(port, free_port(), backend.port)
         chosen.append(ports)
-        return proxy.configure(workdir, ports)
+        return proxy.command(workdir, ports)
 
     spec = ServerSpec(proxy.name, argv)
-    with running_server(spec, "", workdir) as server:
-        yield RunningProxy(proxy, proxy.version(), server, backend, chosen[-1])
+    with running_server(spec, "", workdir):
+        yield RunningProxy(proxy, proxy.version(), backend, chosen[-1])
 
 
-def leave(
-    port: int, events: EventLog, scenario: str, *, close_kind: str = FIN
-) -> tuple[str, float | None, bool | None]:
+def leave(port: int, events: EventLog, scenario: str) -> tuple[str, float | None, bool | None]:
     """Leave one request of `scenario` through `port`; return (outcome, latency ms, seen)."""
     rid = new_id()
     seen: bool | None = None
@@ -103,7 +100,7 @@ def leave(
             events.wait_for(rid, started, timeout=WATCHDOG)
             if scenario != FIRST_BYTE:
                 seen = _body_seen(sock)
-        closed_at = close(sock, close_kind)
+        closed_at = close(sock, FIN)
     deadline = closed_at + NEVER_AFTER
     while time.monotonic() < deadline:
         cancelled = events.of(rid, "cancelled")
@@ -134,17 +131,9 @@ def _body_seen(sock: socket.socket) -> bool:
 
 def measure(running: RunningProxy, config: str, scenario: str) -> Outcome:
     """One cell: leave a request and keep the outcome (and log it, with PROXY_LOG_ENV set)."""
-    outcome, ms, seen = leave(running.port(config), running.backend.events, scenario)
-    result = Outcome(
-        running.proxy.name,
-        running.version,
-        running.backend.spec.name,
-        config,
-        scenario,
-        outcome,
-        ms,
-        seen,
-    )
+    left = leave(running.port(config), running.backend.events, scenario)
+    proxy, server = running.proxy.name, running.backend.spec.name
+    result = Outcome(proxy, running.version, server, config, scenario, *left)
     path = os.environ.get(PROXY_LOG_ENV)
     if path:
         with open(path, "a") as log:

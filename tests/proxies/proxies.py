@@ -15,12 +15,14 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ..servers.client import HOST
 
 APACHE_MODULES = Path("/usr/lib/apache2/modules")
 SBIN = "/usr/sbin:/usr/local/sbin"
+ROOT = os.geteuid() == 0
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class Ports:
 
 @dataclass(frozen=True)
 class Proxy:
-    """One proxy: `configure(workdir, ports)` writes its config and returns its command line."""
+    """One proxy: `configure(workdir, ports)` writes its config and returns the arguments its
+    binary runs with."""
 
     name: str
     binary: str
@@ -47,25 +50,32 @@ class Proxy:
     def path(self) -> str | None:
         return shutil.which(self.binary) or shutil.which(self.binary, path=SBIN)
 
-    def version(self) -> str:
-        """The version line the binary prints (`nginx/1.22.1`, `HAProxy version 2.6.12 ...`)."""
+    def argv(self, *args: str) -> list[str]:
         binary = self.path()
         assert binary is not None
+        return [binary, *args]
+
+    def command(self, workdir: Path, ports: Ports) -> list[str]:
+        return self.argv(*self.configure(workdir, ports))
+
+    def version(self) -> str:
+        """The version line the binary prints (`nginx/1.22.1`, `HAProxy version 2.6.12 ...`)."""
         run = subprocess.run(
-            [binary, *self.version_argv], capture_output=True, text=True, timeout=10, check=False
+            self.argv(*self.version_argv), capture_output=True, text=True, timeout=10, check=False
         )
         text = (run.stdout + run.stderr).strip()
         match = re.search(r"\d+\.\d+(\.\d+)?", text)
         return match.group(0) if match else text.splitlines()[0]
 
 
-# -- nginx ----------------------------------------------------------------------------------------
-NGINX_TUNED = """\
-proxy_http_version 1.1;
-proxy_set_header Connection "";
-proxy_buffering off;
-proxy_request_buffering off;"""
+def write(workdir: Path, name: str, template: str, ports: Ports, **fields: str) -> str:
+    """`template` filled in (the workdir, the host, the ports, `fields`) as `workdir/name`."""
+    path = workdir / name
+    path.write_text(template.format(dir=workdir, host=HOST, **ports.__dict__, **fields))
+    return str(path)
 
+
+# -- nginx ----------------------------------------------------------------------------------------
 NGINX_CONF = """\
 daemon off;
 master_process on;
@@ -90,7 +100,10 @@ http {{
         listen {host}:{tuned};
         location / {{
             proxy_pass http://app;
-{settings}
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
         }}
     }}
 }}
@@ -98,14 +111,9 @@ http {{
 
 
 def nginx(workdir: Path, ports: Ports) -> list[str]:
-    settings = "\n".join(" " * 12 + line for line in NGINX_TUNED.splitlines())
     # As root, nginx's workers would run as nobody, who cannot write the temp paths.
-    user = "user root;" if os.geteuid() == 0 else ""
-    conf = workdir / "nginx.conf"
-    conf.write_text(
-        NGINX_CONF.format(user=user, dir=workdir, host=HOST, settings=settings, **ports.__dict__)
-    )
-    return [_binary("nginx"), "-p", str(workdir), "-c", str(conf)]
+    conf = write(workdir, "nginx.conf", NGINX_CONF, ports, user="user root;" if ROOT else "")
+    return ["-p", str(workdir), "-c", conf]
 
 
 # -- HAProxy --------------------------------------------------------------------------------------
@@ -134,9 +142,8 @@ backend app_tuned
 
 
 def haproxy(workdir: Path, ports: Ports) -> list[str]:
-    conf = workdir / "haproxy.cfg"
-    conf.write_text(HAPROXY_CONF.format(host=HOST, settings=HAPROXY_TUNED, **ports.__dict__))
-    return [_binary("haproxy"), "-db", "-f", str(conf)]  # -db: foreground, no daemon
+    conf = write(workdir, "haproxy.cfg", HAPROXY_CONF, ports, settings=HAPROXY_TUNED)
+    return ["-db", "-f", conf]  # -db: foreground, no daemon
 
 
 # -- Caddy ----------------------------------------------------------------------------------------
@@ -159,15 +166,11 @@ http://{host}:{tuned} {{
 
 
 def caddy(workdir: Path, ports: Ports) -> list[str]:
-    conf = workdir / "Caddyfile"
-    conf.write_text(CADDYFILE.format(host=HOST, settings=CADDY_TUNED, **ports.__dict__))
-    return [_binary("caddy"), "run", "--config", str(conf), "--adapter", "caddyfile"]
+    conf = write(workdir, "Caddyfile", CADDYFILE, ports, settings=CADDY_TUNED)
+    return ["run", "--config", conf, "--adapter", "caddyfile"]
 
 
 # -- Apache httpd ---------------------------------------------------------------------------------
-APACHE_TUNED = "ProxyPass / http://{host}:{backend}/ flushpackets=on"
-APACHE_H2C_TUNED = "ProxyPass / h2c://{host}:{backend}/ flushpackets=on"
-
 APACHE_CONF = """\
 ServerRoot {dir}
 ServerName {host}
@@ -185,39 +188,21 @@ Listen {host}:{tuned}
     ProxyPass / {scheme}://{host}:{backend}/
 </VirtualHost>
 <VirtualHost {host}:{tuned}>
-    {settings}
+    ProxyPass / {scheme}://{host}:{backend}/ flushpackets=on
 </VirtualHost>
 """
 
 
-def _apache(workdir: Path, ports: Ports, *, h2c: bool) -> list[str]:
+def apache(workdir: Path, ports: Ports, *, h2c: bool = False) -> list[str]:
     modules = ["mpm_event", "authz_core", "proxy", "proxy_http"]
     if h2c:
         modules += ["http2", "proxy_http2"]
     lines = "\n".join(
         f"LoadModule {name}_module {APACHE_MODULES}/mod_{name}.so" for name in modules
     )
-    settings = (APACHE_H2C_TUNED if h2c else APACHE_TUNED).format(host=HOST, **ports.__dict__)
-    conf = workdir / "httpd.conf"
-    conf.write_text(
-        APACHE_CONF.format(
-            dir=workdir,
-            host=HOST,
-            modules=lines,
-            scheme="h2c" if h2c else "http",
-            settings=settings,
-            **ports.__dict__,
-        )
-    )
-    return [_binary("apache2"), "-f", str(conf), "-DFOREGROUND"]
-
-
-def apache(workdir: Path, ports: Ports) -> list[str]:
-    return _apache(workdir, ports, h2c=False)
-
-
-def apache_h2c(workdir: Path, ports: Ports) -> list[str]:
-    return _apache(workdir, ports, h2c=True)
+    scheme = "h2c" if h2c else "http"
+    conf = write(workdir, "httpd.conf", APACHE_CONF, ports, modules=lines, scheme=scheme)
+    return ["-f", conf, "-DFOREGROUND"]
 
 
 # -- h2o ------------------------------------------------------------------------------------------
@@ -244,16 +229,11 @@ hosts:
 
 
 def h2o(workdir: Path, ports: Ports) -> list[str]:
-    conf = workdir / "h2o.conf"
-    user = "user: root" if os.geteuid() == 0 else ""
-    conf.write_text(
-        H2O_CONF.format(user=user, dir=workdir, host=HOST, settings=H2O_TUNED, **ports.__dict__)
-    )
-    return [_binary("h2o"), "-c", str(conf)]
+    user = "user: root" if ROOT else ""
+    return ["-c", write(workdir, "h2o.conf", H2O_CONF, ports, user=user, settings=H2O_TUNED)]
 
 
 # -- Varnish --------------------------------------------------------------------------------------
-
 VARNISH_VCL = """\
 vcl 4.1;
 import std;
@@ -267,38 +247,28 @@ sub vcl_recv {{
 
 
 def varnish(workdir: Path, ports: Ports) -> list[str]:
-    vcl = workdir / "default.vcl"
-    vcl.write_text(VARNISH_VCL.format(host=HOST, **ports.__dict__))
     return [
-        _binary("varnishd"),
         "-F",  # foreground
-        "-f", str(vcl),
+        "-f", write(workdir, "default.vcl", VARNISH_VCL, ports),
         "-a", f"{HOST}:{ports.defaults}",
         "-a", f"{HOST}:{ports.tuned}",
         "-n", str(workdir / "varnish"),
         "-s", "malloc,32m",
         "-T", "none",
         # As root: no unprivileged user, whose jail could not reach the test's temp dir.
-        *(["-j", "none"] if os.geteuid() == 0 else []),
+        *(["-j", "none"] if ROOT else []),
     ]  # fmt: skip
 
 
-def _binary(name: str) -> str:
-    return shutil.which(name) or shutil.which(name, path=SBIN) or name
-
-
-NGINX = Proxy(
-    "nginx",
-    "nginx",
-    ("-v",),
-    nginx,
-    "`proxy_buffering off`, `proxy_request_buffering off`, HTTP/1.1 keep-alive upstream",
-)
+NGINX_LABEL = "`proxy_buffering off`, `proxy_request_buffering off`, HTTP/1.1 keep-alive upstream"
+NGINX = Proxy("nginx", "nginx", ("-v",), nginx, NGINX_LABEL)
 HAPROXY = Proxy("haproxy", "haproxy", ("-v",), haproxy, f"`{HAPROXY_TUNED}`")
 # Caddy's defaults already pass every abort; its second listener is the setting that does not.
 CADDY = Proxy("caddy", "caddy", ("version",), caddy, f"`{CADDY_TUNED}`")
 APACHE = Proxy("apache", "apache2", ("-v",), apache, "`flushpackets=on`")
-APACHE_H2C = Proxy("apache-h2c", "apache2", ("-v",), apache_h2c, "`flushpackets=on`", h2c=True)
+APACHE_H2C = Proxy(
+    "apache-h2c", "apache2", ("-v",), partial(apache, h2c=True), "`flushpackets=on`", h2c=True
+)
 H2O = Proxy("h2o", "h2o", ("-v",), h2o, f"`{H2O_TUNED}`")
 VARNISH = Proxy("varnish", "varnishd", ("-V",), varnish, "`return (pipe)` in `vcl_recv`")
 PROXIES = (NGINX, HAPROXY, CADDY, APACHE, APACHE_H2C, H2O, VARNISH)

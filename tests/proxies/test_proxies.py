@@ -1,12 +1,9 @@
 """Real reverse proxies in front of uvicorn and hypercorn: does a client's abort reach the app?
 
-Each proxy runs in the foreground on 127.0.0.1 with a config written to a temp dir
-(tests/proxies/proxies.py), one listener with its defaults and one `tuned`. A raw-socket client
-leaves (FIN) before the first byte, mid-stream (SSE), during a slow `Content-Length` answer and
-mid-upload; the app (asgi-cancel, tests/proxies/app.py) records its cancellation. `EXPECTED` is
-the table of docs/proxies.md: a change in any proxy's behaviour fails here, and every "never" or
-"not started" names the proxy's reason. `ASGI_CANCEL_PROXY_LOG=path` keeps the measurements for
-`python -m tests.proxies.table`.
+Each proxy (proxies.py) listens with its defaults and `tuned`; a raw-socket client leaves in each
+scenario (harness.py) and the app (app.py) records its cancellation. `EXPECTED` is the table of
+docs/proxies.md: a change in any proxy's behaviour fails here, and every "never" or "not started"
+names the proxy's reason.
 """
 
 from __future__ import annotations
@@ -17,13 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ..servers.runner import (
-    HYPERCORN_ASYNCIO,
-    UVICORN_HTTPTOOLS,
-    Server,
-    ServerSpec,
-    running_server,
-)
+from ..servers.runner import HYPERCORN_ASYNCIO, UVICORN_HTTPTOOLS, Server, running_server
 from .harness import (
     BODY,
     CANCELLED,
@@ -131,8 +122,6 @@ def running(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RunningProxy]:
     proxy, backend = request.param
-    assert isinstance(proxy, Proxy)
-    assert isinstance(backend, ServerSpec)
     if proxy.path() is None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"{proxy.binary} is not installed, and CI=true: .ci/run installs it")
@@ -161,9 +150,6 @@ def test_the_app_hears_the_client_leave_through_the_proxy(
 def test_every_never_names_its_reason() -> None:
     for (proxy, config), outcomes in EXPECTED.items():
         for scenario, outcome in zip(SCENARIOS, outcomes, strict=True):
-            assert (outcome == CANCELLED) != bool(why(proxy, config, scenario)), (
-                proxy,
-                config,
-                scenario,
-            )
+            named = bool(why(proxy, config, scenario))
+            assert (outcome == CANCELLED) != named, (proxy, config, scenario)
     assert {proxy for proxy, _ in EXPECTED} == set(PROXIES)

@@ -3,33 +3,21 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from .harness import Outcome
 from .table import END, START, main, summarize
 
 
 def line(
-    proxy: str,
-    config: str,
-    scenario: str,
-    outcome: str,
-    ms: float | None,
-    seen: bool | None = None,
+    proxy: str, config: str, scenario: str, outcome: str, ms: float | None, seen: bool | None = None
 ) -> str:
-    return json.dumps(
-        {
-            "proxy": proxy,
-            "version": "1.0",
-            "server": "uvicorn-httptools",
-            "config": config,
-            "scenario": scenario,
-            "outcome": outcome,
-            "ms": ms,
-            "seen": seen,
-        }
-    )
+    """One measurement, as `measure` logs it."""
+    result = Outcome(proxy, "1.0", "uvicorn-httptools", config, scenario, outcome, ms, seen)
+    return json.dumps(asdict(result))
 
 
 def test_cells_are_median_and_max_or_the_outcome() -> None:
@@ -54,13 +42,18 @@ def test_cells_are_median_and_max_or_the_outcome() -> None:
     assert "over 3 runs" in table[5]
 
 
-def test_write_replaces_the_text_between_the_markers(tmp_path: Path) -> None:
+def write_page(tmp_path: Path, page_text: str) -> str:
+    """Caddy's one measurement written into a page holding `page_text`; the page's new text."""
     log = tmp_path / "log.jsonl"
     log.write_text(line("caddy", "defaults", "sse", "cancelled", 0.5) + "\n")
     page = tmp_path / "page.md"
-    page.write_text(f"before\n{START}\nold table\n{END}\nafter\n")
+    page.write_text(page_text)
     main([str(log), "--write", str(page)])
-    text = page.read_text()
+    return page.read_text()
+
+
+def test_write_replaces_the_text_between_the_markers(tmp_path: Path) -> None:
+    text = write_page(tmp_path, f"before\n{START}\nold table\n{END}\nafter\n")
     assert "old table" not in text
     assert text.startswith(f"before\n{START}\n| proxy |")
     assert text.endswith(f"{END}\nafter\n")
@@ -68,9 +61,5 @@ def test_write_replaces_the_text_between_the_markers(tmp_path: Path) -> None:
 
 
 def test_write_refuses_a_page_without_markers(tmp_path: Path) -> None:
-    log = tmp_path / "log.jsonl"
-    log.write_text(line("caddy", "defaults", "sse", "cancelled", 0.5) + "\n")
-    page = tmp_path / "page.md"
-    page.write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
-        main([str(log), "--write", str(page)])
+        write_page(tmp_path, "no markers\n")

@@ -24,14 +24,7 @@ from pathlib import Path
 
 from tests.servers.client import connect, drain, send_request
 from tests.servers.events import Event
-from tests.servers.runner import (
-    HYPERCORN_ARGS,
-    UVICORN_ARGS,
-    Server,
-    ServerSpec,
-    command,
-    start_server,
-)
+from tests.servers.runner import HYPERCORN_ARGS, UVICORN_ARGS, Server, ServerSpec, command
 
 GRACEFUL = 1  # seconds, both servers' graceful timeout here
 THREAD_SECONDS = 0.3  # a worker thread's work that ends within the graceful timeout
@@ -78,26 +71,23 @@ class ShutdownResult:
         return exits[0] if exits else None
 
 
-def _request(port: int, target: str, *, pipelined: str = "") -> socket.socket:
-    sock = connect(port)
-    send_request(sock, "GET", target)
-    if pipelined:  # a second request behind the first, on the same connection
-        send_request(sock, "GET", pipelined)
-    return sock
-
-
 def put_in_flight(server: Server, tag: str) -> tuple[dict[str, str], list[socket.socket]]:
     """Start every in-flight request; return their ids and the client sockets."""
     ids = {name: f"{tag}-{name}" for name in (*IN_FLIGHT, "pipelined")}
-    port = server.port
-    socks = [_request(port, f"/stream?id={ids['stream']}")]
-    pipelined = f"/hello?id={ids['pipelined']}"
-    socks.append(_request(port, f"/slow?id={ids['slow']}", pipelined=pipelined))
-    socks.append(_request(port, f"/hold?id={ids['hold']}"))
+    socks: list[socket.socket] = []
+
+    def send(*targets: str) -> None:  # several: pipelined on one connection
+        socks.append(connect(server.port))
+        for target in targets:
+            send_request(socks[-1], "GET", target)
+
+    send(f"/stream?id={ids['stream']}")
+    send(f"/slow?id={ids['slow']}", f"/hello?id={ids['pipelined']}")
+    send(f"/hold?id={ids['hold']}")
     server.events.wait_for(ids["hold"], "holding", timeout=10)
-    socks.append(_request(port, f"/queued?id={ids['queued']}"))
-    socks.append(_request(port, f"/thread?id={ids['thread']}&t={THREAD_SECONDS}"))
-    socks.append(_request(port, f"/thread?id={ids['long-thread']}&t={LONG_THREAD_SECONDS}"))
+    send(f"/queued?id={ids['queued']}")
+    send(f"/thread?id={ids['thread']}&t={THREAD_SECONDS}")
+    send(f"/thread?id={ids['long-thread']}&t={LONG_THREAD_SECONDS}")
     for name in ("stream", "slow", "queued"):
         server.events.wait_for(ids[name], "start", timeout=10)
     for name in ("thread", "long-thread"):
@@ -109,7 +99,8 @@ def put_in_flight(server: Server, tag: str) -> tuple[dict[str, str], list[socket
 def shutdown_run(
     spec: ServerSpec, middleware: bool, sig: signal.Signals, workdir: Path, tag: str
 ) -> ShutdownResult:
-    server = start_server(spec, WITH if middleware else WITHOUT, workdir)
+    server = Server(spec, WITH if middleware else WITHOUT, workdir)
+    server.start()
     socks: list[socket.socket] = []
     try:
         ids, socks = put_in_flight(server, tag)

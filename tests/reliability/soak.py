@@ -20,15 +20,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.servers.client import FIN, HOST, RST, close, connect, fetch, get
+from tests.servers.client import FIN, RST, close, connect, fetch, get, send_request
 from tests.servers.events import chunk
 from tests.servers.h2_client import H2Client
-from tests.servers.runner import (
-    HYPERCORN_ASYNCIO,
-    UVICORN_HTTPTOOLS,
-    Server,
-    running_server,
-)
+from tests.servers.runner import HYPERCORN_ASYNCIO, UVICORN_HTTPTOOLS, Server, running_server
 
 TARGET = "tests.servers.apps:hookless_app"
 # Our tasks (the middleware's, the app's) must be gone by then.
@@ -109,17 +104,14 @@ def one_http1(port: int, rng: random.Random, result: SoakResult) -> None:
         return
     where = rng.choice(["headers", "mid-body", "mid-stream", "in-thread"])
     sock = connect(port)
-    if where == "headers":
-        sock.sendall(f"GET /slow?t=5 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
-        time.sleep(rng.uniform(0, 0.01))
-    elif where == "mid-body":
-        head = f"POST /echo HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 50000\r\n\r\n"
-        sock.sendall(head.encode() + rng.randbytes(rng.randint(0, 20000)))
+    if where == "mid-body":
+        part = rng.randbytes(rng.randint(0, 20000))
+        send_request(sock, "POST", "/echo", headers=(("Content-Length", "50000"),), body=part)
     elif where == "mid-stream":
-        sock.sendall(f"GET /stream?n=500&every=0.002 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        send_request(sock, "GET", "/stream?n=500&every=0.002")
         sock.recv(rng.randint(1, 400))
     else:
-        sock.sendall(f"GET /thread?t=0.02 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        send_request(sock, "GET", "/slow?t=5" if where == "headers" else "/thread?t=0.02")
         time.sleep(rng.uniform(0, 0.01))
     result.left(f"{where}/{leave(sock, rng)}")
 

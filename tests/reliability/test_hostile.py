@@ -12,11 +12,11 @@ import resource
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 
 import pytest
 
-from ..servers.client import HOST, RST, close, connect, get, read_response
+from ..servers.client import HOST, RST, close, connect, get, read_response, send_request
 from ..servers.events import BIG_READ_AHEAD
 from ..servers.runner import Server, ServerSpec, serving
 from .shutdown import HYPERCORN, UVICORN, WITH, WITHOUT
@@ -93,8 +93,8 @@ def test_slowloris(server: Server) -> None:
             sock.sendall(f"GET /hello?id=h{index} HTTP/1.1\r\nHost: {HOST}\r\nX-Slow: ".encode())
         for index in range(SLOWLORIS):
             sock = socks.enter_context(connect(server.port))
-            head = f"POST /echo?id=b{index} HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 1000"
-            sock.sendall(head.encode() + b"\r\n\r\n" + b"x" * 100)
+            length = (("Content-Length", "1000"),)
+            send_request(sock, "POST", f"/echo?id=b{index}", headers=length, body=b"x" * 100)
         assert_serving(server)
         time.sleep(1.0)  # silence
         assert_serving(server)
@@ -156,49 +156,38 @@ def slow_uploads(server: Server, target: str) -> float:
     body = bytes(range(256)) * (UPLOAD_SIZE // 256)
     rss_before = stats(server.port).rss_kib
     socks = []
-    sent = []
+    sent = [0] * UPLOADS
     try:
         for index in range(UPLOADS):
             sock = connect(server.port)
-            head = (
-                f"POST /digest?id=u{index} HTTP/1.1\r\nHost: {HOST}\r\n"
-                f"Content-Length: {UPLOAD_SIZE}\r\n\r\n"
-            )
+            socks.append(sock)
             # A small send buffer: the bytes a stalled upload parks stay mostly in the
             # server's process or its socket, not in this client's kernel.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UPLOAD_PIECE)
-            sock.sendall(head.encode())
+            length = (("Content-Length", str(UPLOAD_SIZE)),)
+            send_request(sock, "POST", f"/digest?id=u{index}", headers=length)
             sock.setblocking(False)
-            socks.append(sock)
-            sent.append(0)
         stalled_since = time.monotonic()
         deadline = time.monotonic() + 20.0
         while time.monotonic() - stalled_since < 0.5 and time.monotonic() < deadline:
-            progress = False
             for index, sock in enumerate(socks):
-                if sent[index] >= UPLOAD_SIZE:
-                    continue
-                try:
+                with suppress(BlockingIOError):  # this one's buffers are full
                     count = sock.send(body[sent[index] : sent[index] + UPLOAD_PIECE])
-                except BlockingIOError:
-                    continue
-                sent[index] += count
-                progress = True
-            if progress:
-                stalled_since = time.monotonic()
+                    sent[index] += count
+                    if count:  # 0 once the whole body is sent
+                        stalled_since = time.monotonic()
             time.sleep(0.005)  # slowly
         # Not a bound: loopback socket buffers are large (the server's grows to MBs).
         assert min(sent) > 0
         assert_serving(server)
         rss_during = stats(server.port).rss_kib
         get(server.port, "/open", timeout=SERVE_TIMEOUT)
+        digest = f"{UPLOAD_SIZE} {hashlib.sha256(body).hexdigest()}".encode()
         for index, sock in enumerate(socks):
             if index < UPLOADS_FINISHED:
                 sock.settimeout(SERVE_TIMEOUT)
                 sock.sendall(body[sent[index] :])
-                response = read_response(sock)
-                expected = f"{UPLOAD_SIZE} {hashlib.sha256(body).hexdigest()}".encode()
-                assert response.body == expected
+                assert read_response(sock).body == digest
             else:
                 close(sock, RST)
         assert_serving(server)

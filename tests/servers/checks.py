@@ -79,10 +79,8 @@ def assert_cancelled(
     assert hooks[0]["reason"] == "client disconnected"
     assert not server.events.of(rid, "done")
     assert closed_at < hooks[0]["t"] <= cancelled["t"] <= exit_event["t"]
-    fired = hooks[0]["t"] - closed_at
-    latencies.add(
-        server.spec.name, scenario, close, cancel_s=cancelled["t"] - closed_at, fired_s=fired
-    )
+    stopped, fired = cancelled["t"], hooks[0]["t"]
+    latencies.add(server.spec.name, scenario, close, closed_at, stopped=stopped, fired=fired)
     server.assert_no_traceback()
     return cancelled
 
@@ -96,6 +94,16 @@ def assert_not_cancelled(server: Server, rid: str, *, finished: str) -> Event:
     assert not server.events.of(rid, "hook")
     server.assert_no_traceback()
     return finished_event
+
+
+def of(events: list[Event], name: str) -> list[Event]:
+    return [event for event in events if event["event"] == name]
+
+
+def one(events: list[Event], name: str) -> Event:
+    found = of(events, name)
+    assert len(found) == 1, f"expected one {name!r} event, got {found}; all: {events}"
+    return found[0]
 
 
 def assert_settled(server: Server, running: str = "/inflight") -> None:

@@ -108,6 +108,14 @@ def read_head(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return int(status_line.split()[1]), headers, rest
 
 
+def read_status(sock: socket.socket) -> int | None:
+    """The status of the answer, or None if the server closed (or said nothing) without one."""
+    try:
+        return read_head(sock)[0]
+    except (ConnectionError, TimeoutError):
+        return None
+
+
 def read_response(sock: socket.socket) -> Response:
     """Read one response with a Content-Length body (all the probe apps send one)."""
     status, headers, body = read_head(sock)

@@ -17,19 +17,13 @@ import pytest
 
 
 @dataclass
-class Tally:
-    runs: int = 0
-    sent: int = 0
-    lost: int = 0
-    duplicated: int = 0
-    reordered: int = 0
-
-
-@dataclass
 class Deliveries:
     """A pytest plugin: the `deliveries` fixture, and its tables in the terminal summary."""
 
-    messages: dict[tuple[str, str, str], Tally] = field(default_factory=lambda: defaultdict(Tally))
+    # Per (server, route, side): runs, and messages sent, lost, duplicated and reordered.
+    messages: dict[tuple[str, str, str], Counter[str]] = field(
+        default_factory=lambda: defaultdict(Counter)
+    )
     outcomes: dict[tuple[str, str], Counter[str]] = field(
         default_factory=lambda: defaultdict(Counter)
     )
@@ -38,12 +32,9 @@ class Deliveries:
         self, server: str, route: str, side: str, *, sent: int, lost: int, duplicated: int,
         reordered: int,
     ) -> None:  # fmt: skip
-        tally = self.messages[server, route, side]
-        tally.runs += 1
-        tally.sent += sent
-        tally.lost += lost
-        tally.duplicated += duplicated
-        tally.reordered += reordered
+        self.messages[server, route, side].update(
+            runs=1, sent=sent, lost=lost, duplicated=duplicated, reordered=reordered
+        )
 
     def add_outcome(self, server: str, case: str, outcome: str) -> None:
         self.outcomes[server, case][outcome] += 1
@@ -62,8 +53,8 @@ class Deliveries:
             )
             for (server, route, side), tally in sorted(self.messages.items()):
                 write(
-                    f"{server:<26} {route:<10} {side:<8} {tally.runs:>4} {tally.sent:>7} "
-                    f"{tally.lost:>5} {tally.duplicated:>5} {tally.reordered:>5}"
+                    f"{server:<26} {route:<10} {side:<8} {tally['runs']:>4} {tally['sent']:>7} "
+                    f"{tally['lost']:>5} {tally['duplicated']:>5} {tally['reordered']:>5}"
                 )
         if self.outcomes:
             terminalreporter.section("asgi-cancel: what each server did (websockets)")

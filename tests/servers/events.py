@@ -95,13 +95,9 @@ def watcher_kind() -> str | None:
 def record_hook(request: CancelledRequest) -> None:
     """The middleware's `on_cancelled` hook."""
     record(
-        request_id(request.scope),
-        "hook",
-        reason=request.reason,
-        elapsed=request.elapsed,
-        response_started=request.response_started,
-        close_code=request.close_code,
-    )
+        request_id(request.scope), "hook", reason=request.reason, elapsed=request.elapsed,
+        response_started=request.response_started, close_code=request.close_code,
+    )  # fmt: skip
 
 
 def recording_exit(app: ASGIApp) -> ASGIApp:
@@ -163,8 +159,7 @@ class EventLog:
         except FileNotFoundError:
             return []
         # A line is complete only once its newline is written.
-        lines = data.split(b"\n")[:-1]
-        return [json.loads(line) for line in lines]
+        return [json.loads(line) for line in data.split(b"\n")[:-1]]
 
     def of(self, request_id: str, event: str | None = None) -> list[Event]:
         events = [item for item in self.all() if item["id"] == request_id]

@@ -42,11 +42,13 @@ class Latencies:
         self.measurements: list[Measurement] = []
 
     def add(
-        self, server: str, scenario: str, close: str, *, cancel_s: float, fired_s: float
-    ) -> None:
-        self.measurements.append(
-            Measurement(server, scenario, close, round(cancel_s * 1e3, 3), round(fired_s * 1e3, 3))
-        )
+        self, server: str, scenario: str, close: str, closed_at: float, *, stopped: float,
+        fired: float,
+    ) -> None:  # fmt: skip
+        """The client left at `closed_at`, the app stopped at `stopped`, the token fired at
+        `fired` (each an event's `t`, `time.monotonic()`)."""
+        cancel_ms, fired_ms = (round((t - closed_at) * 1e3, 3) for t in (stopped, fired))
+        self.measurements.append(Measurement(server, scenario, close, cancel_ms, fired_ms))
 
     @pytest.fixture
     def latencies(self) -> Latencies:

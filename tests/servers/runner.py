@@ -90,11 +90,10 @@ DAPHNE = ServerSpec(
     command("daphne", "-b", "{host}", "-p", "{port}", "{target}"),
     buffers_request_body=True,
 )
-GRANIAN = ServerSpec(
-    "granian",
-    command("granian", "--interface", "asgi", "--host", "{host}", "--port", "{port}",
-            "--workers", "1", "--no-ws", "{target}"),
+GRANIAN_ARGS = (
+    "granian", "--interface", "asgi", "--host", "{host}", "--port", "{port}", "--workers", "1",
 )  # fmt: skip
+GRANIAN = ServerSpec("granian", command(*GRANIAN_ARGS, "--no-ws", "{target}"))
 GUNICORN = ServerSpec("gunicorn", command(*GUNICORN_ARGS), watcher="Task")
 # HTTP/1.1 and h2c on one port: prior-knowledge h2c from 127.0.0.1 (in the default
 # --forwarded-allow-ips); "both" rather than "prior-knowledge" so the HTTP/1.1 ready probe is
@@ -114,11 +113,7 @@ UVICORN_WEBSOCKETS_SANSIO = ServerSpec(
     "uvicorn-websockets-sansio", command(*UVICORN_ARGS, "--ws", "websockets-sansio")
 )
 UVICORN_WSPROTO = ServerSpec("uvicorn-wsproto", command(*UVICORN_ARGS, "--ws", "wsproto"))
-GRANIAN_WS = ServerSpec(
-    "granian",
-    command("granian", "--interface", "asgi", "--host", "{host}", "--port", "{port}",
-            "--workers", "1", "{target}"),
-)  # fmt: skip
+GRANIAN_WS = ServerSpec("granian", command(*GRANIAN_ARGS, "{target}"))
 WS_SERVERS = (
     UVICORN_WEBSOCKETS,
     *([UVICORN_WEBSOCKETS_SANSIO] if "websockets-sansio" in UVICORN_WS else []),
@@ -132,7 +127,8 @@ class StartupError(RuntimeError):
 
 class Server:
     """`spec` serving `target` as a subprocess on a free port of 127.0.0.1, from `start()` to
-    `stop()`; its output goes to `workdir/server.log`, its apps' events to `events`.
+    `stop()`; its output goes to `workdir/server.log` (made if need be), its apps' events to
+    `events`.
 
     On this shared machine another process can take the free port before the server binds it;
     some servers then exit, others keep running without listening. Either way the server is
@@ -144,6 +140,7 @@ class Server:
         self.spec = spec
         self.target = target
         self.workdir = workdir  # the cwd, not the tests folder: nothing may shadow an import
+        workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "server.log"
         self.events = EventLog(workdir / "events.jsonl")
         # tests/ too, for targets named from there (`servers.apps:metrics`).

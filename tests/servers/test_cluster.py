@@ -11,11 +11,11 @@ are answered at once meanwhile. The close-to-cancel latency across processes is 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,13 +41,9 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def environment(redis: RedisServer) -> Iterator[None]:
-    previous = os.environ.get("ASGI_CANCEL_REDIS_URL")
-    os.environ["ASGI_CANCEL_REDIS_URL"] = redis.url
-    yield
-    if previous is None:
-        del os.environ["ASGI_CANCEL_REDIS_URL"]
-    else:
-        os.environ["ASGI_CANCEL_REDIS_URL"] = previous
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ASGI_CANCEL_REDIS_URL", redis.url)
+        yield
 
 
 def pids(server: Server, count: int) -> set[str]:
@@ -81,26 +77,22 @@ class Held:
     def status(self) -> int:
         return read_response(self.sock).status
 
-    def close(self) -> None:
+    def __enter__(self) -> Held:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
         self.sock.close()
 
 
-def cancel(server: Server, request_id: str) -> tuple[int, str, float]:
-    """DELETE /v1/requests/{id}: (status, the pid of the process that answered, seconds)."""
+def cancel(server: Server, request_id: str, *, answer: bool = False) -> tuple[int, Any, float]:
+    """DELETE /v1/requests/{id}: (status, the pid of the process that answered or, `answer`,
+    the JSON answer, seconds)."""
     started = time.perf_counter()
     with connect(server.port, timeout=WATCHDOG) as sock:
         send_request(sock, "DELETE", f"/v1/requests/{request_id}")
         response = read_response(sock)
-    return response.status, response.headers["x-worker-pid"], time.perf_counter() - started
-
-
-def cancel_answer(server: Server, request_id: str) -> tuple[int, object, float]:
-    """DELETE /v1/requests/{id}: (status, the JSON answer, seconds)."""
-    started = time.perf_counter()
-    with connect(server.port, timeout=WATCHDOG) as sock:
-        send_request(sock, "DELETE", f"/v1/requests/{request_id}")
-        response = read_response(sock)
-    return response.status, json.loads(response.body), time.perf_counter() - started
+    said = json.loads(response.body) if answer else response.headers["x-worker-pid"]
+    return response.status, said, time.perf_counter() - started
 
 
 def test_requests_spread_and_a_cancel_through_any_worker_stops_the_right_one(
@@ -131,7 +123,7 @@ def test_requests_spread_and_a_cancel_through_any_worker_stops_the_right_one(
             assert server.events.of(untouched.id, "cancelled") == []
     finally:
         for request in held:
-            request.close()
+            request.sock.close()
     print(  # noqa: T201 (pytest -s: the figures docs/at-scale.md quotes)
         f"cancel via any of 3 workers: median {statistics.median(latencies) * 1000:.1f} ms, "
         f"max {max(latencies) * 1000:.1f} ms ({answered_here} held by the answering worker)"
@@ -148,20 +140,15 @@ def test_an_unknown_id_answers_404_within_the_bounded_wait(
 
 
 def test_two_servers_as_two_machines(environment: None, tmp_path: Path) -> None:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
     with (
         running_server(ONE, TARGET, tmp_path / "a") as a,
         running_server(ONE, TARGET, tmp_path / "b") as b,
     ):
-        on_a = Held(a)
-        try:
+        with Held(a) as on_a:
             status, answered_by, _ = cancel(b, on_a.id)
             assert status == 200
             assert answered_by != on_a.pid  # b answered; a held it
             assert on_a.status() == 499
-        finally:
-            on_a.close()
         assert cancel(a, "unknown-" + new_id())[0] == 404
         # Cancel -> the held client's 499, through the other server and through its own.
         across = [cancelled_in(a, via=b) for _ in range(SAMPLES)]
@@ -177,15 +164,12 @@ def test_two_servers_as_two_machines(environment: None, tmp_path: Path) -> None:
 
 def cancelled_in(holder: Server, *, via: Server) -> float:
     """Seconds from the cancel sent to `via` to the 499 at the client of `holder`'s request."""
-    held = Held(holder)
-    try:
+    with Held(holder) as held:
         started = time.perf_counter()
         status, _, _ = cancel(via, held.id)
         assert status == 200
         assert held.status() == 499
         return time.perf_counter() - started
-    finally:
-        held.close()
 
 
 def test_a_worker_stays_serving_while_redis_is_away(
@@ -199,8 +183,7 @@ def test_a_worker_stays_serving_while_redis_is_away(
     try:
         for _ in range(10):
             assert get(server.port, "/hello", timeout=2.0).body == b"hello"
-        held = Held(server)
-        try:
+        with Held(server) as held:
             deadline = time.monotonic() + WATCHDOG
             while True:  # the kernel picks the worker: until the holder itself answers
                 status, answered_by, _ = cancel(server, held.id)
@@ -209,22 +192,9 @@ def test_a_worker_stays_serving_while_redis_is_away(
                     break
                 assert time.monotonic() < deadline
             assert held.status() == 499
-        finally:
-            held.close()
     finally:
         redis.start()
-    deadline = time.monotonic() + WATCHDOG
-    while True:  # reconnected (backoff up to 5 s): a cancel reaches across again
-        again = Held(server)
-        try:
-            status, answered_by, _ = cancel(server, again.id)
-            if answered_by != again.pid and status == 200:
-                assert again.status() == 499
-                break
-        finally:
-            again.close()
-        assert time.monotonic() < deadline, "cancels never reached across after the restart"
-        time.sleep(0.2)
+    wait_across(server, via=server)  # reconnected (backoff up to 5 s)
 
 
 FROZEN_HEALTH = 1.5  # the servers' health_timeout in the freeze test: noticed within 2 s
@@ -240,8 +210,6 @@ def test_a_frozen_redis_is_logged_once_and_cancels_are_answered_at_once(
     "unreachable"`, not after the broker's `wait` (2 s); requests are served and a cancel
     through the holder works. Resumed, cancels reach across again."""
     (tmp_path / "redis").mkdir()
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
     with running_redis(tmp_path / "redis") as redis:
         monkeypatch.setenv("ASGI_CANCEL_REDIS_URL", redis.url)
         monkeypatch.setenv("ASGI_CANCEL_REDIS_HEALTH", str(FROZEN_HEALTH))
@@ -256,17 +224,14 @@ def test_a_frozen_redis_is_logged_once_and_cancels_are_answered_at_once(
                     assert time.monotonic() < frozen_at + WATCHDOG, "the freeze went unnoticed"
                     time.sleep(0.05)
                 noticed = time.monotonic() - frozen_at
-                on_a = Held(a)
-                try:
-                    status, answer, took = cancel_answer(b, on_a.id)
+                with Held(a) as on_a:
+                    status, said, took = cancel(b, on_a.id, answer=True)
                     assert status == 404
-                    assert answer == {"id": on_a.id, "cancelled": False, "broker": "unreachable"}
+                    assert said == {"id": on_a.id, "cancelled": False, "broker": "unreachable"}
                     assert took < 1.0  # at once: not after the broker's wait (2 s)
                     assert get(b.port, "/hello", timeout=2.0).body == b"hello"
-                    assert cancel_answer(a, on_a.id)[0] == 200  # the holder itself: local
+                    assert cancel(a, on_a.id)[0] == 200  # the holder itself: local
                     assert on_a.status() == 499
-                finally:
-                    on_a.close()
                 assert time.monotonic() - frozen_at < FREEZE  # all of the above while frozen
             wait_across(a, via=b)
             for server in (a, b):
@@ -277,15 +242,14 @@ def test_a_frozen_redis_is_logged_once_and_cancels_are_answered_at_once(
 
 
 def wait_across(holder: Server, *, via: Server) -> None:
-    """Until a cancel sent to `via` stops a request `holder` holds (both brokers connected)."""
+    """Until a cancel sent to `via` and answered by another process than the one that holds the
+    request stops it (the brokers connected): its client gets the 499."""
     deadline = time.monotonic() + WATCHDOG
     while True:
-        held = Held(holder)
-        try:
-            if cancel(via, held.id)[0] == 200:
+        with Held(holder) as held:
+            status, answered_by, _ = cancel(via, held.id)
+            if status == 200 and answered_by != held.pid:
                 assert held.status() == 499
                 return
-        finally:
-            held.close()
         assert time.monotonic() < deadline, "cancels never reached across"
         time.sleep(0.1)

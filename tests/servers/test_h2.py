@@ -44,16 +44,10 @@ def test_h2_stream_reset_cancels_only_that_stream(
         server.events.wait_for(sibling, "start", timeout=WATCHDOG)
         reset_at = client.reset_stream(doomed_stream)
         started = endpoint == "stream"
-        scenario = f"h2-{endpoint}"
         assert_cancelled(
-            server,
-            doomed,
-            reset_at,
-            latencies,
-            scenario,
-            close="rst-stream",
+            server, doomed, reset_at, latencies, f"h2-{endpoint}", close="rst-stream",
             response_started=started,
-        )
+        )  # fmt: skip
         # The sibling stream on the same connection is untouched and completes.
         client.read_until_ended(sibling_stream)
         assert client.status[sibling_stream] == 200

@@ -34,8 +34,8 @@ import pytest
 
 from asgi_cancel._session import MESSAGE_COST
 
-from .checks import CANCELLED_EXCEPTIONS, WATCHDOG, assert_quiet, assert_settled
-from .client import RST, new_id
+from .checks import CANCELLED_EXCEPTIONS, WATCHDOG, assert_quiet, assert_settled, of, one
+from .client import RST, close, new_id
 from .delivery import Deliveries
 from .events import WS_READ_AHEAD, Event
 from .latency import Latencies
@@ -49,7 +49,6 @@ from .ws_client import (
     LEAVE_KINDS,
     TEXT,
     WebSocket,
-    drop,
     frame,
     start_handshake,
 )
@@ -106,16 +105,6 @@ def quiet_and_settled(server: Server) -> Iterator[None]:
     assert_quiet(server, server.log()[logged:])
 
 
-def of(events: list[Event], name: str) -> list[Event]:
-    return [event for event in events if event["event"] == name]
-
-
-def one(events: list[Event], name: str) -> Event:
-    found = of(events, name)
-    assert len(found) == 1, f"expected one {name!r} event, got {found}; all: {events}"
-    return found[0]
-
-
 def close_codes(server: Server, leave: str) -> set[int]:
     """The codes the server may hand the app when its client leaves `leave`'s way."""
     if leave in CLOSE_FRAMES and server.spec.name not in CODE_LOST:
@@ -155,35 +144,30 @@ def assert_session_cancelled(
     assert not of(events, "sent"), events  # it never ran to its end
     assert closed_at < hook["t"] <= ended["t"] <= exit_event["t"]
     assert ended["t"] - closed_at < CANCEL_BOUND
-    fired_s = hook["t"] - closed_at
-    latencies.add(
-        server.spec.name, scenario, leave, cancel_s=ended["t"] - closed_at, fired_s=fired_s
-    )
+    latencies.add(server.spec.name, scenario, leave, closed_at, stopped=ended["t"], fired=hook["t"])
 
 
 # -- an app busy sending --------------------------------------------------------------------------
+def leave_busy(server: Server, target: str, rid: str, leave: str, unread: int) -> float:
+    """Open a session of `target` (a `/busy`), send it `unread` messages, leave `leave`'s way."""
+    with WebSocket.connect(server.port, target) as ws:
+        server.events.wait_for(rid, "start", timeout=WATCHDOG)
+        for number in range(unread):  # the app never reads them: the server's queue fills up
+            ws.send_text(f"{number} unread")
+        closed_at, _ = ws.leave_politely(leave)
+    return closed_at
+
+
 @pytest.mark.parametrize("unread", [0, UNREAD], ids=["none-unread", f"{UNREAD}-unread"])
 @pytest.mark.parametrize("leave", LEAVE_KINDS)
 def test_busy_session_cancelled_once_when_its_client_leaves(
     server: Server, leave: str, unread: int, latencies: Latencies
 ) -> None:
     rid = new_id()
-    with WebSocket.connect(server.port, f"/wrapped/busy?id={rid}&t={WATCHDOG + 1}") as ws:
-        server.events.wait_for(rid, "start", timeout=WATCHDOG)
-        for number in range(unread):  # the app never reads them: the server's queue fills up
-            ws.send_text(f"{number} unread")
-        closed_at, _ = ws.leave_politely(leave)
+    target = f"/wrapped/busy?id={rid}&t={WATCHDOG + 1}"
+    closed_at = leave_busy(server, target, rid, leave, unread)
     scenario = "ws busy" + (f", {unread} unread" if unread else "")
     assert_session_cancelled(server, rid, closed_at, leave, latencies, scenario)
-
-
-def leave_busy_control(server: Server, rid: str, leave: str, unread: int) -> float:
-    with WebSocket.connect(server.port, f"/bare/busy?id={rid}&t={CONTROL_RUN}") as ws:
-        server.events.wait_for(rid, "start", timeout=WATCHDOG)
-        for number in range(unread):
-            ws.send_text(f"{number} unread")
-        closed_at, _ = ws.leave_politely(leave)
-    return closed_at
 
 
 def test_busy_session_sends_on_for_nobody_without_the_middleware(
@@ -194,11 +178,14 @@ def test_busy_session_sends_on_for_nobody_without_the_middleware(
     its run (on hypercorn, after a reset with unread messages, a send hangs for good);
     uvicorn and daphne may tell it by a send that raises (uvicorn: not once the client's
     unread messages filled its queue: it stops reading and sees no close)."""
-    cases = [(leave, unread, new_id()) for leave in LEAVE_KINDS for unread in (0, UNREAD)]
+    cases = [(new_id(), leave, unread) for leave in LEAVE_KINDS for unread in (0, UNREAD)]
     with ThreadPoolExecutor(len(cases)) as pool:
-        left = pool.map(lambda case: leave_busy_control(server, case[2], *case[:2]), cases)
-        closed = dict(zip((rid for *_, rid in cases), left, strict=True))
-    for leave, unread, rid in cases:
+        left = pool.map(
+            lambda case: leave_busy(server, f"/bare/busy?id={case[0]}&t={CONTROL_RUN}", *case),
+            cases,
+        )
+        closed = dict(zip((rid for rid, *_ in cases), left, strict=True))
+    for rid, leave, unread in cases:
         server.events.wait_for(rid, "exit", timeout=CONTROL_RUN + WATCHDOG)
         events = server.events.of(rid)
         assert not of(events, "cancelled"), events
@@ -249,27 +236,30 @@ def test_listening_session_ends_by_itself(
     assert disconnect["token_cancelled"] is True
     assert closed_at < hooks[0]["t"] <= done["t"]
     assert done["t"] - closed_at < CANCEL_BOUND
-    fired_s = hooks[0]["t"] - closed_at
-    latencies.add(
-        server.spec.name, "ws chat (ends itself)", leave, cancel_s=done["t"] - closed_at,
-        fired_s=fired_s,
-    )  # fmt: skip
+    scenario, fired = "ws chat (ends itself)", hooks[0]["t"]
+    latencies.add(server.spec.name, scenario, leave, closed_at, stopped=done["t"], fired=fired)
 
 
 # -- the handshake --------------------------------------------------------------------------------
+def leave_handshake(server: Server, prefix: str, leave: str) -> tuple[str, float, list[Event]]:
+    """A handshake the app waits HANDSHAKE_WAIT to accept, left once the app started: the
+    session's id, the time of the close, and its events once the app ended."""
+    rid = new_id()
+    sock = start_handshake(server.port, f"/{prefix}/handshake?id={rid}&wait={HANDSHAKE_WAIT}")
+    try:
+        server.events.wait_for(rid, "start", timeout=WATCHDOG)
+        closed_at = close(sock, leave)
+        server.events.wait_for(rid, "exit", timeout=HANDSHAKE_WAIT + WATCHDOG)
+    finally:
+        sock.close()
+    return rid, closed_at, server.events.of(rid)
+
+
 @pytest.mark.parametrize("leave", DROPS)
 def test_handshake_cancelled_when_its_client_leaves_before_accept(
     server: Server, leave: str, latencies: Latencies, deliveries: Deliveries
 ) -> None:
-    rid = new_id()
-    sock = start_handshake(server.port, f"/wrapped/handshake?id={rid}&wait={HANDSHAKE_WAIT}")
-    try:
-        server.events.wait_for(rid, "start", timeout=WATCHDOG)
-        closed_at = drop(sock, leave)
-        server.events.wait_for(rid, "exit", timeout=HANDSHAKE_WAIT + WATCHDOG)
-    finally:
-        sock.close()
-    events = server.events.of(rid)
+    rid, closed_at, events = leave_handshake(server, "wrapped", leave)
     if server.spec.name not in SILENT_BEFORE_ACCEPT:
         assert_session_cancelled(
             server, rid, closed_at, leave, latencies, "ws before accept", accepted=False
@@ -291,15 +281,7 @@ def test_handshake_cancelled_when_its_client_leaves_before_accept(
 def test_handshake_waits_for_nobody_without_the_middleware(
     server: Server, leave: str, deliveries: Deliveries
 ) -> None:
-    rid = new_id()
-    sock = start_handshake(server.port, f"/bare/handshake?id={rid}&wait={HANDSHAKE_WAIT}")
-    try:
-        server.events.wait_for(rid, "start", timeout=WATCHDOG)
-        closed_at = drop(sock, leave)
-        server.events.wait_for(rid, "exit", timeout=HANDSHAKE_WAIT + WATCHDOG)
-    finally:
-        sock.close()
-    events = server.events.of(rid)
+    _, closed_at, events = leave_handshake(server, "bare", leave)
     assert not of(events, "cancelled"), events
     assert not of(events, "hook"), events
     # The whole wait, for nobody: then the accept raises, or succeeds and the disconnect follows.
@@ -448,7 +430,7 @@ def test_half_sent_handshake_starts_nothing_and_blocks_nobody(
         deliveries.add_outcome(server.spec.name, "half-sent handshake, 0.3 s", outcome)
     finally:
         for sock in socks:
-            drop(sock, RST)
+            close(sock, RST)
     time.sleep(0.05)
     for rid in stalled.values():
         assert server.events.of(rid) == []

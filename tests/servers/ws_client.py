@@ -1,6 +1,7 @@
 """A raw-socket websocket client (RFC 6455) that leaves the ways real clients do: a close frame
 with a code (and a reason), a TCP reset, or a FIN without a close frame; before the handshake
-is answered, or halfway through sending it."""
+is answered, or halfway through sending it. Standard library only: the real-vLLM tests
+(tests/vllm/test_realtime.py) use it from vLLM's own venv."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .client import HALF, HOST, RST, connect, read_head
+from .client import HALF, HOST, RST, close, connect, read_head
 
 TEXT, BINARY, CLOSE, PING, PONG = 1, 2, 8, 9, 10
 READ_TIMEOUT = 5.0  # a frame or the server's close is expected in milliseconds
@@ -60,7 +61,10 @@ def close_payload(code: int, reason: str = "") -> bytes:
     return struct.pack("!H", code) + reason.encode()
 
 
-def upgrade_request(target: str) -> bytes:
+Headers = tuple[tuple[str, str], ...]
+
+
+def upgrade_request(target: str, headers: Headers = ()) -> bytes:
     key = base64.b64encode(os.urandom(16)).decode()
     lines = [
         f"GET {target} HTTP/1.1",
@@ -69,45 +73,34 @@ def upgrade_request(target: str) -> bytes:
         "Connection: Upgrade",
         f"Sec-WebSocket-Key: {key}",
         "Sec-WebSocket-Version: 13",
+        *(f"{name}: {value}" for name, value in headers),
     ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def drop(sock: socket.socket, kind: str) -> float:
-    """Leave without a close frame (`RST` or `HALF`); the time right before the system call."""
-    if kind == RST:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        closed_at = time.monotonic()
-        sock.close()
-    elif kind == HALF:
-        closed_at = time.monotonic()
-        sock.shutdown(socket.SHUT_WR)
-    else:
-        raise ValueError(f"not a drop: {kind!r}")
-    return closed_at
 
 
 class WebSocket:
     """One connection whose handshake was answered with 101; frames read one at a time."""
 
-    def __init__(self, sock: socket.socket, rest: bytes) -> None:
+    def __init__(self, sock: socket.socket, rest: bytes, timeout: float) -> None:
         self.sock = sock
         self.rest = rest  # read from the socket, not parsed yet
+        self.timeout = timeout  # for each frame
         self.closed_ours = False  # a close frame or a FIN sent: nothing more goes out
         self.sender: threading.Thread | None = None
         self.send_error: BaseException | None = None
 
     @classmethod
-    def connect(cls, port: int, target: str) -> WebSocket:
-        sock = connect(port)
+    def connect(
+        cls, port: int, target: str, *, headers: Headers = (), timeout: float = READ_TIMEOUT
+    ) -> WebSocket:
+        sock = start_handshake(port, target, headers=headers)
         try:
-            sock.sendall(upgrade_request(target))
             status, _, rest = read_head(sock)
             assert status == 101, f"{target}: HTTP {status}, not 101"
         except BaseException:
             sock.close()
             raise
-        return cls(sock, rest)
+        return cls(sock, rest, timeout)
 
     def __enter__(self) -> WebSocket:
         return self
@@ -144,8 +137,8 @@ class WebSocket:
 
     # -- reading ------------------------------------------------------------------------------
     def read_frame(self) -> Frame | None:
-        """The next frame, or None at EOF (or a reset); raises TimeoutError past READ_TIMEOUT."""
-        deadline = time.monotonic() + READ_TIMEOUT
+        """The next frame, or None at EOF (or a reset); raises TimeoutError past `timeout`."""
+        deadline = time.monotonic() + self.timeout
         while True:
             parsed = parse(self.rest)
             if parsed is not None:
@@ -162,13 +155,16 @@ class WebSocket:
             self.rest += data
 
     def read_text(self) -> str:
-        """The next text message, past pings and binary frames; a close or EOF is an error."""
+        """The next text message, past binary frames and pings (answered); a close or EOF is
+        an error."""
         while True:
             found = self.read_frame()
             assert found is not None, "the server closed the connection"
             assert found.opcode != CLOSE, f"the server closed with {found.close_code}"
             if found.opcode == TEXT:
                 return found.payload.decode()
+            if found.opcode == PING and not self.closed_ours:
+                self.sock.sendall(frame(PONG, found.payload))
 
     def read_until_closed(self) -> Frame | None:
         """Read on until the closing handshake is over (the server's close frame after ours),
@@ -201,7 +197,7 @@ class WebSocket:
             closed_at = time.monotonic()
             self.sock.sendall(closing)
         else:
-            closed_at = drop(self.sock, kind)
+            closed_at = close(self.sock, kind)
         return closed_at
 
     def leave_politely(self, kind: str) -> tuple[float, Frame | None]:
@@ -214,32 +210,21 @@ def parse(data: bytes) -> tuple[Frame, int] | None:
     """The first whole (unmasked, server) frame in `data` and the bytes it used, or None."""
     if len(data) < 2:
         return None
-    opcode, length, used = data[0] & 0x0F, data[1] & 0x7F, 2
-    if length == 126:
-        if len(data) < 4:
-            return None
-        length, used = struct.unpack("!H", data[2:4])[0], 4
-    elif length == 127:
-        if len(data) < 10:
-            return None
-        length, used = struct.unpack("!Q", data[2:10])[0], 10
+    length, used = data[1] & 0x7F, 2
+    if length >= 126:  # the length follows: 16 bits (126) or 64 (127)
+        used += 2 if length == 126 else 8
+        length = int.from_bytes(data[2:used], "big")  # if cut short, None follows
     if len(data) < used + length:
         return None
-    return Frame(opcode, data[used : used + length]), used + length
+    return Frame(data[0] & 0x0F, data[used : used + length]), used + length
 
 
-def start_handshake(port: int, target: str, *, partial: bool = False) -> socket.socket:
+def start_handshake(
+    port: int, target: str, *, partial: bool = False, headers: Headers = ()
+) -> socket.socket:
     """A connection that sent the upgrade request for `target` (`partial`: only its first
     lines, then stalls) and has read nothing."""
     sock = connect(port)
-    request = upgrade_request(target)
+    request = upgrade_request(target, headers)
     sock.sendall(request[: request.index(b"Upgrade:")] if partial else request)
     return sock
-
-
-def read_refusal(sock: socket.socket) -> int | None:
-    """The HTTP status a handshake got, or None if the server closed without one."""
-    try:
-        return read_head(sock)[0]
-    except (ConnectionError, TimeoutError):
-        return None

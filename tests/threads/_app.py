@@ -104,10 +104,8 @@ def build_app(engine: Engine) -> ASGIApp:
         def arguments(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             if prefix != "/bare":
                 watch(current_token(), body["id"], engine.fired, engine.usage)
-            return body["id"], {
-                **engine.inputs(body["prompt"]),
-                "max_new_tokens": body["max_new_tokens"],
-            }
+            inputs = {**engine.inputs(body["prompt"]), "max_new_tokens": body["max_new_tokens"]}
+            return body["id"], inputs
 
         def criteria() -> dict[str, Any]:
             return {"stopping_criteria": [CancelCriteria()]} if adapter else {}

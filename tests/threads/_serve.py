@@ -25,7 +25,8 @@ def serve_recipe() -> Callable[[], None]:
 
     Returns what undoes it (the tests run the server alone after it)."""
     server: Any = importlib.import_module("transformers.cli.serving.server")
-    GenerateManager: Any = importlib.import_module("transformers.cli.serving.utils").GenerateManager
+    utils: Any = importlib.import_module("transformers.cli.serving.utils")
+    GenerateManager, CBGenerateManager = utils.GenerateManager, utils.CBGenerateManager
 
     from asgi_cancel import CancelOnDisconnectMiddleware
     from asgi_cancel.transformers import CancelCriteria
@@ -51,9 +52,6 @@ def serve_recipe() -> Callable[[], None]:
     GenerateManager.generate_non_streaming = stopped_by_the_token
     # --continuous-batching: the request awaits its result from the batch; cancelled, it takes
     # itself out of the batch (as the streaming route's streamer.cancel() does).
-    CBGenerateManager: Any = importlib.import_module(
-        "transformers.cli.serving.utils"
-    ).CBGenerateManager
     batched_non_streaming = CBGenerateManager.generate_non_streaming
 
     async def taken_out_of_the_batch(

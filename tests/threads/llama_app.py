@@ -30,7 +30,6 @@ from asgi_cancel import (
     CancelOnDisconnectMiddleware,
     CancelRegistry,
     CancelToken,
-    TokenUsage,
     cancel_endpoint,
     current_token,
 )
@@ -127,18 +126,12 @@ async def hello() -> PlainTextResponse:
 
 @app.get("/probe")
 async def probe() -> dict[str, Any]:
-    cancelled = []
-    for report in CANCELLED:
-        usage: TokenUsage = report["usage"]
-        cancelled.append(
-            {
-                "path": report["path"],
-                "finished_at": report["finished_at"],
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "after_cancel": usage.after_cancel,
-            }
-        )
+    counts = ("prompt_tokens", "completion_tokens", "after_cancel")  # of its TokenUsage
+    cancelled = [
+        {"path": report["path"], "finished_at": report["finished_at"]}
+        | {name: getattr(report["usage"], name) for name in counts}
+        for report in CANCELLED
+    ]
     return {"generations": llama_probe.generations(), "cancelled": cancelled}
 
 
@@ -186,11 +179,7 @@ def completions_sync(body: Completion) -> dict[str, Any]:
 
 
 def record(request: CancelledRequest) -> Callable[[], None]:
-    report: dict[str, Any] = {
-        "path": request.scope["path"],
-        "usage": request.usage,
-        "finished_at": None,
-    }
+    report = {"path": request.scope["path"], "usage": request.usage, "finished_at": None}
     CANCELLED.append(report)
 
     def finished() -> None:  # called once the request is over

@@ -32,24 +32,20 @@ async def probe() -> dict[str, Any]:
 def create_app() -> Any:
     llama_probe.install()
     mode = os.environ.get("ASGI_CANCEL_LLAMA_MODE", "adapter")
-    if mode == "alone":
-        from llama_cpp.server.app import create_app as create_server_app
-
-        app = create_server_app()
-        inner: FastAPI = app
-    elif mode == "middleware":
-        from llama_cpp.server.app import create_app as create_server_app
-
-        from asgi_cancel import CancelOnDisconnectMiddleware
-
-        inner = create_server_app()
-        app = CancelOnDisconnectMiddleware(inner)
-    elif mode == "adapter":
+    app: Any
+    if mode == "adapter":
         from asgi_cancel.llama_cpp import server_app
 
         app = server_app()
         assert isinstance(app.app, FastAPI)
         inner = app.app
+    elif mode in ("alone", "middleware"):
+        from llama_cpp.server.app import create_app as create_server_app
+
+        from asgi_cancel import CancelOnDisconnectMiddleware
+
+        inner = create_server_app()
+        app = inner if mode == "alone" else CancelOnDisconnectMiddleware(inner)
     else:
         raise ValueError(
             f"ASGI_CANCEL_LLAMA_MODE must be alone, middleware or adapter, got {mode!r}"

@@ -153,11 +153,9 @@ def started(server: Server, before: int, tokens: int = 1) -> dict[str, Any]:
 def completion_body(kind: str, max_tokens: int, stream: bool, thread: str) -> dict[str, Any]:
     """The request for our app or for llama_cpp.server (which ignores `thread` and `chat`)."""
     body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream, "temperature": 0.0}
-    body["thread"] = thread
+    body |= {"thread": thread, "prompt": "hello there"}
     if kind == "chat":
-        body["chat"] = True
-        body["messages"] = [{"role": "user", "content": "hello there"}]
-    body["prompt"] = "hello there"
+        body |= {"chat": True, "messages": [{"role": "user", "content": "hello there"}]}
     return body
 
 
@@ -218,16 +216,18 @@ def measure(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def result(app: str, mode: str, kind: str, stream: bool, thread: str, **figures: Any) -> None:
+    """One row of the measurements (printed at the end, and docs/threads.md's table)."""
+    RESULTS.append(
+        {"app": app, "mode": mode, "kind": kind, "stream": stream, "thread": thread, **figures}
+    )
+
+
 APP_CASES = [
-    ("completion", False, "to_thread"),
-    ("completion", False, "thread"),
-    ("completion", False, "executor"),
-    ("completion", False, "sync"),
-    ("completion", True, "to_thread"),
-    ("completion", True, "thread"),
-    ("chat", False, "to_thread"),
-    ("chat", True, "thread"),
+    ("completion", False, thread) for thread in ("to_thread", "thread", "executor", "sync")
 ]
+APP_CASES += [("completion", True, "to_thread"), ("completion", True, "thread")]
+APP_CASES += [("chat", False, "to_thread"), ("chat", True, "thread")]
 APP_IDS = [
     f"{kind}-{'stream' if stream else 'whole'}-{thread}" for kind, stream, thread in APP_CASES
 ]
@@ -246,9 +246,7 @@ def test_a_generation_in_a_worker_thread_stops_when_the_client_leaves(
     reports = len(probe(server)["cancelled"])
     body = completion_body(kind, MAX_TOKENS, stream, thread)
     figures = measure(server, path_of("app", kind, thread), body)
-    RESULTS.append(
-        {"app": "app", "mode": mode, "kind": kind, "stream": stream, "thread": thread, **figures}
-    )
+    result("app", mode, kind, stream, thread, **figures)
     if mode != "adapter":
         # Alone, nothing is cancelled; with the middleware alone, the app task is, and the
         # thread is not: either way it runs to max_tokens.
@@ -293,18 +291,9 @@ def test_the_next_request_queued_behind_a_departed_one_starts_at_once(
     first = state["generations"][left["index"]]
     nxt = state["generations"][left["index"] + 1]
     after = [t for t in first["evals"] if t > left["closed_at"]]
-    RESULTS.append(
-        {
-            "app": app,
-            "mode": mode,
-            "kind": "queued",
-            "stream": True,
-            "thread": "",
-            "generated": len(first["evals"]),
-            "after_close": len(after),
-            "next_ttft_ms": round((first_at - sent_at) * 1000, 1),
-        }
-    )
+    ttft_ms = round((first_at - sent_at) * 1000, 1)
+    figures = {"generated": len(first["evals"]), "after_close": len(after), "next_ttft_ms": ttft_ms}
+    result(app, mode, "queued", True, "", **figures)
     if mode == "adapter":
         assert len(after) <= AFTER_CLOSE_BOUND
         assert len(first["evals"]) < MAX_TOKENS // 2
@@ -313,53 +302,37 @@ def test_the_next_request_queued_behind_a_departed_one_starts_at_once(
         assert nxt["started"] >= first["evals"][-1]  # it waited for the whole departed one
 
 
+@pytest.mark.parametrize("how", ["deadline", "cancel-by-id"])
 @pytest.mark.parametrize("mode", ["middleware", "adapter"], ids=["control", "adapter"])
-def test_a_deadline_stops_the_generation_too(servers: ServerPool, mode: str) -> None:
-    # The client stays; its budget runs out 150 ms in: the same token fires, reason deadline.
-    server = servers.get("app", mode)
-    before = len(probe(server)["generations"])
-    body = completion_body("completion", MAX_TOKENS, False, "to_thread")
-    with post(server.port, "/v1/completions", body, ("x-request-timeout", "150ms")):
-        started(server, before)
-        generation = settled(server, before)
-    if mode == "middleware":
-        assert len(generation["evals"]) == MAX_TOKENS
-    else:
-        assert len(generation["evals"]) < MAX_TOKENS // 2
-
-
-@pytest.mark.parametrize("mode", ["middleware", "adapter"], ids=["control", "adapter"])
-def test_a_cancel_by_id_stops_the_generation_too(servers: ServerPool, mode: str) -> None:
-    # The client stays; an operator cancels its request by id: the same token fires.
+def test_a_deadline_or_a_cancel_by_id_stops_the_generation_too(
+    servers: ServerPool, mode: str, how: str
+) -> None:
+    # The client stays; its budget runs out 150 ms in, or an operator cancels its request by
+    # id: the same token fires. The control is cancelled too, and its thread runs on.
     server = servers.get("app", mode)
     before = len(probe(server)["generations"])
     request_id = f"llama-{mode}-{time.monotonic_ns()}"
+    header = ("x-request-timeout", "150ms") if how == "deadline" else ("X-Request-Id", request_id)
     body = completion_body("completion", MAX_TOKENS, False, "to_thread")
-    with post(server.port, "/v1/completions", body, ("X-Request-Id", request_id)) as sock:
-        started(server, before, LEAVE_AFTER)
+    with post(server.port, "/v1/completions", body, header) as sock:
+        started(server, before, 1 if how == "deadline" else LEAVE_AFTER)
         cancelled_at = time.monotonic()
-        answer = fetch_json(server, f"/v1/requests/{request_id}/cancel", {})
-        assert answer == {"id": request_id, "cancelled": True}
-        assert read_response(sock).status == 499  # still connected: told, not cut
-    generation = settled(server, before)
-    after = [t for t in generation["evals"] if t > cancelled_at]
-    RESULTS.append(
-        {
-            "app": "app",
-            "mode": mode,
-            "kind": "cancel-by-id",
-            "stream": False,
-            "thread": "to_thread",
-            "generated": len(generation["evals"]),
-            "after_close": len(after),
-            "stop_ms": round(max(0.0, generation["evals"][-1] - cancelled_at) * 1000, 1),
-        }
-    )
+        if how == "cancel-by-id":
+            answer = fetch_json(server, f"/v1/requests/{request_id}/cancel", {})
+            assert answer == {"id": request_id, "cancelled": True}
+            assert read_response(sock).status == 499  # still connected: told, not cut
+        generation = settled(server, before)
+    evals = generation["evals"]
+    after = [t for t in evals if t > cancelled_at]
+    if how == "cancel-by-id":
+        stop_ms = round(max(0.0, evals[-1] - cancelled_at) * 1000, 1)
+        figures = {"generated": len(evals), "after_close": len(after), "stop_ms": stop_ms}
+        result("app", mode, how, False, "to_thread", **figures)
     if mode == "middleware":
-        assert len(generation["evals"]) == MAX_TOKENS  # cancelled, and the thread ran on
+        assert len(evals) == MAX_TOKENS
     else:
-        assert len(after) <= AFTER_CLOSE_BOUND
-        assert len(generation["evals"]) < MAX_TOKENS // 2
+        assert how == "deadline" or len(after) <= AFTER_CLOSE_BOUND
+        assert len(evals) < MAX_TOKENS // 2
 
 
 def test_a_thread_that_ignores_the_token_is_reported_and_not_waited_for(
@@ -456,9 +429,7 @@ def test_llama_cpp_server_stops_when_the_client_leaves(
     server = servers.get("server", mode)
     body = completion_body(kind, MAX_TOKENS, stream, "")
     figures = measure(server, path_of("server", kind, ""), body)
-    RESULTS.append(
-        {"app": "server", "mode": mode, "kind": kind, "stream": stream, "thread": "", **figures}
-    )
+    result("server", mode, kind, stream, "", **figures)
     if mode != "adapter" and not stream:
         # Alone, a whole completion runs to max_tokens after its client left; with the
         # middleware alone too: the route awaits the generation in a thread pool

@@ -127,17 +127,11 @@ def test_a_generation_that_finished_is_never_marked_stopped(
     token = CancelToken()
     criteria = CancelCriteria(token)
     streamer = transformers.TextIteratorStreamer(engine.tokenizer, skip_prompt=True)
+    twelve = {**inputs, "max_new_tokens": 12, "min_new_tokens": 12}
     with engine.lock:
-        output = engine.model.generate(
-            **inputs, max_new_tokens=12, min_new_tokens=12, stopping_criteria=[criteria]
-        )
+        output = engine.model.generate(**twelve, stopping_criteria=[criteria])
         generation = generate_in_thread(
-            engine.model.generate,
-            **inputs,
-            token=token,
-            streamer=streamer,
-            max_new_tokens=12,
-            min_new_tokens=12,
+            engine.model.generate, token=token, streamer=streamer, **twelve
         )
         text = "".join(generation)
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.servers, pytest.mark.timeout(120)]
 MAX_NEW_TOKENS = 300  # about 1 s on this model; the control runs it all
 # The token being computed at the close, and one more when the disconnect reaches the loop a
 # step later on a loaded machine; a leak makes the hundreds the control shows.
-MAX_TOKENS_AFTER_CLOSE = 30  # (the control makes hundreds: a stop, not a leak)
+MAX_TOKENS_AFTER_CLOSE = 30
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +48,7 @@ def generations() -> Iterator[tuple[Generations, BatchedGenerations]]:
         probe.restore()
 
 
-@pytest.fixture(
-    scope="module",
-    params=["alone", "recipe", "alone-batched", "recipe-batched"],
-)
+@pytest.fixture(scope="module", params=["alone", "recipe", "alone-batched", "recipe-batched"])
 def server(
     request: pytest.FixtureRequest, generations: tuple[Generations, BatchedGenerations]
 ) -> Iterator[tuple[str, int, Generations | BatchedGenerations]]:
@@ -68,8 +65,7 @@ def test_a_departed_client_stops_the_generation_only_with_the_recipe(
     measured = serve_departure(port, generations, tiny_model(), stream, MAX_NEW_TOKENS, timeout=30)
     assert measured["tokens"] >= LEAVE_AFTER, measured
     if mode == "alone" and not stream:
-        # The control: nothing stops the inference thread's generate(), nor the request in the
-        # batch.
+        # The control: nothing stops the inference thread's generate(), nor the batch's request.
         assert measured["tokens"] == MAX_NEW_TOKENS, measured
         assert measured["tokens_after_close"] >= MAX_NEW_TOKENS - LEAVE_AFTER - 10, measured
     else:

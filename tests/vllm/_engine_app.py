@@ -19,16 +19,18 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
 
-from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
+from asgi_cancel import CancelOnDisconnectMiddleware, current_token
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 from asgi_cancel.vllm import abort_on_cancel, generate
 
+from ..helpers import read_body
 from ._harness import import_vllm, watch
 
 T = TypeVar("T")
@@ -134,13 +136,7 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        request = json.loads(body)
+        request = json.loads(await read_body(receive))
         request_id: str = request["id"]
         prompts: list[str] = request["prompts"]
         api: str = request.get("api", "cm")
@@ -156,12 +152,8 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
             if len(prompts) == 1
             else [f"{request_id}-p{i}" for i in range(len(prompts))]
         )
-        try:
-            token: CancelToken | None = current_token()
-        except RuntimeError:
-            token = None  # /bare: no middleware, no token
-        if token is not None:
-            watch(token, request_id, probe.fired, probe.usage)
+        if not scope["path"].startswith("/bare/"):  # /bare: no middleware, no token
+            watch(current_token(), request_id, probe.fired, probe.usage)
 
         stream: bool = request.get("stream", False)
         if stream:
@@ -174,28 +166,11 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
                 key = f"{output.request_id}/{completion.index}"
                 counts[key] = counts.get(key, 0) + len(completion.token_ids)
                 if stream:
-                    line = json.dumps(
-                        {"id": key, "n": counts[key], "end": completion.finish_reason}
-                    )
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": line.encode() + b"\n",
-                            "more_body": True,
-                        }
-                    )
+                    line = {"id": key, "n": counts[key], "end": completion.finish_reason}
+                    body = json.dumps(line).encode() + b"\n"
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
 
-        if api == "helper":
-            async for output in generate(engine, prompts[0], params, ids[0]):
-                await emit(output)
-        elif api == "cm":
-            async with abort_on_cancel(engine, *ids):
-                async for output in engine.generate(prompts[0], params, ids[0]):
-                    await emit(output)
-        elif api == "none":
-            async for output in engine.generate(prompts[0], params, ids[0]):
-                await emit(output)
-        elif api in ("tasks", "tasks-bare"):
+        async def merge() -> None:
             queue: asyncio.Queue[Any] = asyncio.Queue()
 
             async def produce(prompt: str, one_id: str) -> None:
@@ -203,38 +178,38 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
                     queue.put_nowait(output)
                 queue.put_nowait(None)
 
-            async def merge() -> None:
-                # Background producers, deliberately left running if this task is cancelled:
-                # the shape of a fan-out that a task cancellation does not reach.
-                for prompt, one_id in zip(prompts, ids, strict=True):
-                    producers.add(asyncio.get_running_loop().create_task(produce(prompt, one_id)))
-                remaining = len(ids)
-                while remaining:
-                    output = await queue.get()
-                    if output is None:
-                        remaining -= 1
-                    else:
-                        await emit(output)
+            # Background producers, deliberately left running if this task is cancelled: the
+            # shape of a fan-out that a task cancellation does not reach.
+            for prompt, one_id in zip(prompts, ids, strict=True):
+                producers.add(asyncio.get_running_loop().create_task(produce(prompt, one_id)))
+            remaining = len(ids)
+            while remaining:
+                output = await queue.get()
+                if output is None:
+                    remaining -= 1
+                else:
+                    await emit(output)
 
-            if api == "tasks":
-                async with abort_on_cancel(engine, *ids):
-                    await merge()
-            else:
+        adapter = abort_on_cancel(engine, *ids) if api in ("cm", "tasks") else nullcontext()
+        async with adapter:
+            if api in ("tasks", "tasks-bare"):
                 await merge()
-        else:
-            raise ValueError(api)
+            elif api in ("helper", "cm", "none"):
+                if api == "helper":
+                    outputs = generate(engine, prompts[0], params, ids[0])
+                else:
+                    outputs = engine.generate(prompts[0], params, ids[0])
+                async for output in outputs:
+                    await emit(output)
+            else:
+                raise ValueError(api)
 
         if stream:
             await send({"type": "http.response.body", "body": b""})
         else:
             payload = json.dumps({"id": request_id, "tokens": counts}).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
+            headers = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": payload})
 
     producers: set[asyncio.Task[None]] = set()
@@ -293,18 +268,13 @@ class EngineServer:
 
     def unfinished(self) -> int:
         async def count() -> int:
-            number: int = self.engine.output_processor.get_num_unfinished_requests()
-            return number
+            return int(self.engine.output_processor.get_num_unfinished_requests())
 
         return self.call(count)
 
     def abort(self, *request_ids: str) -> None:
         """Clean up after a test that deliberately left requests running."""
-
-        async def abort() -> None:
-            await self.engine.abort(list(request_ids))
-
-        self.call(abort)
+        self.call(lambda: self.engine.abort(list(request_ids)))
 
     def _run(self) -> None:
         try:

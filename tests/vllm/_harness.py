@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import pytest
 
 from asgi_cancel import CancelToken
 
+from ..servers.client import dechunk
 from ..servers.process import free_port as free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,17 +160,7 @@ class RawClient:
 def body_of(response: bytes) -> bytes:
     """The body of a complete HTTP/1.1 response, chunked or not."""
     head, _, body = response.partition(b"\r\n\r\n")
-    if b"transfer-encoding: chunked" not in head.lower():
-        return body
-    out = b""
-    while body:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out += body[:size]
-        body = body[size + 2 :]
-    return out
+    return dechunk(body) if b"transfer-encoding: chunked" in head.lower() else body
 
 
 def status_of(response: bytes) -> int:
@@ -195,12 +186,3 @@ def report(section: str, measured: dict[str, Any]) -> None:
     if path.name:
         previous = json.loads(path.read_text()) if path.exists() else {}
         path.write_text(json.dumps(previous | {section: measured}, indent=2))
-
-
-@contextlib.contextmanager
-def timed(label: str, into: dict[str, float]) -> Iterator[None]:
-    start = time.monotonic()
-    try:
-        yield
-    finally:
-        into[label] = time.monotonic() - start

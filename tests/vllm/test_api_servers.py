@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import re
 import time
 import uuid
@@ -29,26 +28,15 @@ from asgi_cancel.redis import RedisBroker
 
 from ..redis_server import RedisServer, running_redis
 from ._harness import LEAVES_ENGINE_WITHIN, RawClient, import_vllm, report, wait_for
-from ._openai import OpenAIServer, serve
-from ._routes import (
-    CELL_IDS,
-    CELLS,
-    ROUTES,
-    aborted,
-    events,
-    leave_runs,
-    payload,
-    summary,
-)
+from ._openai import MAX_NUM_SEQS, OpenAIServer, serve
+from ._routes import CELL_IDS, CELLS, ROUTES, aborted, events, leave_runs, payload, start
 
 import_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MAX_NUM_SEQS = 4
 SECRET = uuid.uuid4().hex
 MIDDLEWARE = "tests.vllm.cancel_by_id.ProbedCancelByIdMiddleware"
-RUNS = int(os.environ.get("ASGI_CANCEL_VLLM_RUNS", "2"))
 MEASURED: dict[str, Any] = {}
 
 
@@ -66,7 +54,6 @@ def server(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iter
         log,
         middleware=(MIDDLEWARE,),
         api_server_count=2,
-        max_num_seqs=MAX_NUM_SEQS,
         env=env,
         extra=("--enable-request-id-headers",),
     ) as instance:
@@ -87,9 +74,7 @@ def idle_server(server: OpenAIServer) -> Iterator[None]:
 @pytest.mark.parametrize(("route", "stream"), CELLS, ids=CELL_IDS)
 @pytest.mark.parametrize("moment", ["queued", "mid"])
 def test_client_leaves(server: OpenAIServer, route: str, stream: bool, moment: str) -> None:
-    runs = leave_runs(server, route, moment, stream=stream, runs=RUNS, fillers=MAX_NUM_SEQS)
-    when = "before the first token" if moment == "queued" else "mid-generation"
-    MEASURED[f"{route}/{'stream' if stream else 'whole'}/{when}"] = summary(runs)
+    leave_runs(server, route, moment, stream=stream, into=MEASURED)
 
 
 # -- cancel by id across the API servers ------------------------------------------------------
@@ -115,13 +100,9 @@ def long_streams(server: OpenAIServer, count: int) -> tuple[dict[str, RawClient]
     """`count` running streams, opened until both API servers hold some; their ids and pids."""
     clients: dict[str, RawClient] = {}
     while True:
-        request_id = f"byid-{uuid.uuid4().hex[:12]}"
-        clients[request_id] = RawClient(server.port).post(
-            ROUTES["completions"],
-            payload("completions", stream=True),
-            headers={"X-Request-Id": request_id},
-        )
-        clients[request_id].read_until(lambda response: events(response) >= 2)
+        request_id, client = start(server, "completions", stream=True)
+        clients[request_id] = client
+        client.read_until(lambda response: events(response) >= 2)
         wait_for(functools.partial(probed, server, request_id), 5, "the probe's line")
         holders = {rid: probes(server)[rid][0] for rid in clients}
         if len(clients) >= count and len(set(holders.values())) == 2:
@@ -129,95 +110,101 @@ def long_streams(server: OpenAIServer, count: int) -> tuple[dict[str, RawClient]
         assert len(clients) < MAX_NUM_SEQS, f"one API server took every connection: {holders}"
 
 
+def broker_cancel(redis: RedisServer, request_id: str, **options: Any) -> tuple[bool, float]:
+    """Cancel `request_id` on the broker from this test process (its own registry and broker,
+    as a gateway would hold them): whether a process held it, and the seconds to the answer."""
+
+    async def cancel() -> tuple[bool, float]:
+        broker = RedisBroker(redis.url)
+        registry = CancelRegistry(broker=broker, **options)
+        registry.started()
+        started = time.monotonic()
+        held = await registry.acancel(request_id)
+        answered = time.monotonic() - started
+        await broker.aclose()
+        return held, answered
+
+    return asyncio.run(cancel())
+
+
+def cancel_through_the_endpoint(
+    server: OpenAIServer, request_id: str, method: str = "POST"
+) -> httpx.Response:
+    """`POST /v1/requests/{id}/cancel` or `DELETE /v1/requests/{id}`, in whichever API server
+    vLLM gives the connection to (the least loaded)."""
+    path = f"/v1/requests/{request_id}" + ("/cancel" if method == "POST" else "")
+    headers = {"x-cancel-secret": SECRET}
+    return httpx.request(method, f"{server.url}{path}", headers=headers, timeout=10)
+
+
 def test_request_ids_are_vllms_own(server: OpenAIServer) -> None:
     """`current_token().request_id` is the `X-Request-Id` that vLLM builds its ids on."""
-    request_id = f"same-{uuid.uuid4().hex[:12]}"
-    with RawClient(server.port) as client:
-        client.post(
-            ROUTES["completions"],
-            payload("completions", stream=False, max_tokens=4),
-            headers={"X-Request-Id": request_id},
-        )
+    request_id, client = start(server, "completions", stream=False, max_tokens=4)
+    with client:
         client.read_all()
     wait_for(lambda: request_id in probes(server), 5, "the probe's line")
     assert probes(server)[request_id][1] == request_id
     assert f"Added request cmpl-{request_id}-0" in server.log_text()
 
 
-def test_cancel_on_the_broker_aborts_the_request_in_either_api_server(
-    server: OpenAIServer, redis: RedisServer
+@pytest.mark.parametrize("via", ["broker", "endpoint"])
+def test_a_cancel_by_id_aborts_the_request_in_either_api_server(
+    server: OpenAIServer, redis: RedisServer, via: str
 ) -> None:
+    """On the broker, or `DELETE /v1/requests/{id}` of either API server: the request is held
+    by one of the two, and aborted whichever it is (the endpoint's answer records which API
+    server answered)."""
     clients, holders = long_streams(server, 2)
     api_servers = sorted(set(holders.values()))
-
-    async def cancel_each() -> dict[str, dict[str, float | bool]]:
-        broker = RedisBroker(redis.url)
-        registry = CancelRegistry(broker=broker)
-        registry.started()
-        results: dict[str, dict[str, float | bool]] = {}
-        for request_id in clients:
-            started = time.monotonic()
-            held = await registry.acancel(request_id)
-            answered = time.monotonic() - started
-            while not aborted_at(server, request_id):
-                assert time.monotonic() - started < LEAVES_ENGINE_WITHIN, "no abort"
-                await asyncio.sleep(0.002)
-            results[request_id] = {
-                "held": held,
-                "answered_ms": round(answered * 1000, 1),
-                "to_abort_logged_ms": round((time.monotonic() - started) * 1000, 1),
-            }
-        await broker.aclose()
-        return results
-
-    results = asyncio.run(cancel_each())
-    for request_id, result in results.items():
-        assert result["held"] is True, (request_id, result)
+    outcomes: dict[str, dict[str, Any]] = {}
+    for request_id, client in clients.items():
+        started = time.monotonic()
+        if via == "broker":
+            held, _ = broker_cancel(redis, request_id)
+            assert held is True, request_id
+        else:
+            answer = cancel_through_the_endpoint(server, request_id, "DELETE")
+            assert answer.status_code == 200, answer.text
+            assert answer.json() == {"id": request_id, "cancelled": True}
+            assert answer.headers["x-request-id"] == request_id
+        answered = time.monotonic() - started
+        # Within LEAVES_ENGINE_WITHIN of asking, the answer's time included.
+        within = LEAVES_ENGINE_WITHIN - answered
+        wait_for(functools.partial(aborted_at, server, request_id), within, "abort")
+        outcomes[request_id] = {
+            "answered_ms": round(answered * 1000, 1),
+            "to_abort_logged_ms": round((time.monotonic() - started) * 1000, 1),
+            "held_by": f"api server {api_servers.index(holders[request_id])}",
+        }
+        if via == "endpoint":
+            served_by = re.findall(
+                rf"cancel pid=(\d+) path=/v1/requests/{request_id}\b", server.log_text()
+            )
+            outcomes[request_id]["same_api_server"] = served_by == [str(holders[request_id])]
         # The stream ends for its client (cut: its response had started).
-        clients[request_id].read_all(timeout=10)
-        clients[request_id].close()
+        client.read_all(timeout=10)
+        client.close()
     server.wait_idle(LEAVES_ENGINE_WITHIN, "all aborted")
-    MEASURED["cancel by id on the broker"] = {
-        "api_servers": len(api_servers),
-        "per_request": {
-            rid: {**result, "held_by": f"api server {api_servers.index(holders[rid])}"}
-            for rid, result in results.items()
-        },
-    }
+    MEASURED[f"cancel by id, {via}"] = {"api_servers": len(api_servers), "per_request": outcomes}
 
 
 def test_cancel_by_id_aborts_a_non_streaming_request(
     server: OpenAIServer, redis: RedisServer
 ) -> None:
-    request_id = f"whole-{uuid.uuid4().hex[:12]}"
     generated = server.generated()
-    client = RawClient(server.port).post(
-        ROUTES["completions"],
-        payload("completions", stream=False),
-        headers={"X-Request-Id": request_id},
-    )
+    request_id, client = start(server, "completions", stream=False)
     wait_for(lambda: server.generated() - generated >= 20, 30, "generation to start")
     before = server.metrics()
-
-    async def cancel() -> bool:
-        broker = RedisBroker(redis.url)
-        registry = CancelRegistry(broker=broker)
-        registry.started()
-        held = await registry.acancel(request_id)
-        await broker.aclose()
-        return held
-
     started = time.monotonic()
-    held = asyncio.run(cancel())
+    held, _ = broker_cancel(redis, request_id)
     response = client.read_all(timeout=30)
     client.close()
-    was_aborted = functools.partial(aborted_at, server, request_id)
     server.wait_idle(30, "the request to end")
     after = server.metrics()
     MEASURED["cancel by id, non-streaming"] = {
         "held": held,
         "client_got": response.split(b"\r\n", 1)[0].decode(errors="replace"),
-        "aborted": was_aborted(),
+        "aborted": aborted_at(server, request_id),
         "finished_normally": after["vllm:request_success_total"]
         - before["vllm:request_success_total"],
         "tokens_after_cancel": after["vllm:generation_tokens_total"]
@@ -225,63 +212,16 @@ def test_cancel_by_id_aborts_a_non_streaming_request(
         "to_engine_idle_s": round(time.monotonic() - started, 2),
     }
     assert held
-    assert was_aborted(), MEASURED["cancel by id, non-streaming"]
-
-
-def test_cancel_endpoint_of_either_api_server_aborts_the_request(server: OpenAIServer) -> None:
-    """`DELETE /v1/requests/{id}` lands in one API server (the least loaded): 200 whichever
-    holds the request; this test records which one answered."""
-    clients, holders = long_streams(server, 2)
-    outcomes = {}
-    for request_id, client in clients.items():
-        started = time.monotonic()
-        answer = httpx.delete(
-            f"{server.url}/v1/requests/{request_id}",
-            headers={"x-cancel-secret": SECRET},
-            timeout=10,
-        )
-        answered = time.monotonic() - started
-        assert answer.status_code == 200, answer.text
-        assert answer.json() == {"id": request_id, "cancelled": True}
-        assert answer.headers["x-request-id"] == request_id
-        wait_for(functools.partial(aborted_at, server, request_id), LEAVES_ENGINE_WITHIN, "abort")
-        client.read_all(timeout=10)
-        client.close()
-        served_by = [
-            int(match[1])
-            for match in re.finditer(
-                rf"cancel pid=(\d+) path=/v1/requests/{request_id}\b", server.log_text()
-            )
-        ]
-        outcomes[request_id] = {
-            "answered_ms": round(answered * 1000, 1),
-            "same_api_server": served_by == [holders[request_id]],
-        }
-    server.wait_idle(LEAVES_ENGINE_WITHIN, "all aborted")
-    MEASURED["cancel endpoint"] = outcomes
+    assert aborted_at(server, request_id), MEASURED["cancel by id, non-streaming"]
 
 
 def test_unknown_id_is_answered_not_held_within_the_bound(
     server: OpenAIServer, redis: RedisServer
 ) -> None:
-    async def cancel_unknown() -> tuple[bool, float]:
-        broker = RedisBroker(redis.url)
-        registry = CancelRegistry(broker=broker, remember=0)
-        registry.started()
-        started = time.monotonic()
-        held = await registry.acancel(f"unknown-{uuid.uuid4().hex[:12]}")
-        answered = time.monotonic() - started
-        await broker.aclose()
-        return held, answered
-
-    held, answered = asyncio.run(cancel_unknown())
+    held, answered = broker_cancel(redis, f"unknown-{uuid.uuid4().hex[:12]}", remember=0)
     assert held is False
     assert answered < 1.0 + 0.5  # the broker's `wait` (1 s), at most; every process answers
-    denied = httpx.delete(
-        f"{server.url}/v1/requests/unknown-{uuid.uuid4().hex[:8]}",
-        headers={"x-cancel-secret": SECRET},
-        timeout=10,
-    )
+    denied = cancel_through_the_endpoint(server, f"unknown-{uuid.uuid4().hex[:8]}", "DELETE")
     assert denied.status_code == 404
     MEASURED["unknown id"] = {"answered_ms": round(answered * 1000, 1), "endpoint": 404}
 
@@ -292,14 +232,6 @@ VISIBLE_ID = re.compile(rb'"id": ?"((?:chatcmpl-|cmpl-|resp_)[A-Za-z0-9._~:+=@-]
 VISIBLE_ROUTES = ("chat", "completions", "responses")
 # What vLLM names a request whose body says `request_id: X` (and no X-Request-Id header).
 NAMED_FROM_BODY = {"chat": "chatcmpl-{}", "completions": "cmpl-{}", "responses": "{}"}
-
-
-def cancel_through_the_endpoint(server: OpenAIServer, request_id: str) -> httpx.Response:
-    return httpx.post(
-        f"{server.url}/v1/requests/{request_id}/cancel",
-        headers={"x-cancel-secret": SECRET},
-        timeout=10,
-    )
 
 
 def response_header(response: bytes, name: bytes) -> str:

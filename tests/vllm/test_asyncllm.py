@@ -31,6 +31,7 @@ from ._harness import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 LONG = 400  # tokens: about 4 s at this model's ~100 tokens/s; no test waits for it to end
+TWO_PROMPTS = ["A llama.", "Two llamas."]
 MEASURED: dict[str, Any] = {}
 
 
@@ -103,7 +104,14 @@ def check_left_engine(server: EngineServer, request_id: str, closed_at: float) -
     }
 
 
-def test_disconnect_mid_stream(server: EngineServer) -> None:
+def test_disconnect_mid_stream_and_the_token_usage_agrees_with_the_engine(
+    server: EngineServer,
+) -> None:
+    """`asgi_cancel.vllm.generate` counts a request cancelled mid-generation into
+    `current_token().usage` as the EngineCore saw it: the prompt it was given, the tokens it
+    generated (all of them reached the app: vLLM drops none here), and those generated once
+    the token fired."""
+    probe = server.probe
     request_id = new_id("stream")
     client = RawClient(server.port).post(
         "/mw/generate", request(request_id, stream=True, api="helper")
@@ -112,20 +120,6 @@ def test_disconnect_mid_stream(server: EngineServer) -> None:
     measured = check_left_engine(server, request_id, client.close())
     assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
     MEASURED["stream"] = measured
-
-
-def test_token_usage_agrees_with_the_engine(server: EngineServer) -> None:
-    """`asgi_cancel.vllm.generate` counts a request cancelled mid-generation into
-    `current_token().usage` as the EngineCore saw it: the prompt it was given, the tokens it
-    generated (all of them reached the app: vLLM drops none here), and those generated once
-    the token fired."""
-    probe = server.probe
-    request_id = new_id("usage")
-    client = RawClient(server.port).post(
-        "/mw/generate", request(request_id, stream=True, api="helper")
-    )
-    client.read_until(lambda response: lines(response) >= 20)
-    check_left_engine(server, request_id, client.close())
     wait_for(lambda: request_id in probe.usage, 5, "the request to be over")
     prompt, completion, after_cancel = probe.usage[request_id]
     fired = probe.fired[request_id]
@@ -140,17 +134,6 @@ def test_token_usage_agrees_with_the_engine(server: EngineServer) -> None:
         "engine_generated": probe.tokens(request_id),
         "engine_generated_after_fire": probe.tokens(request_id, after=fired),
     }
-
-
-def test_disconnect_mid_non_stream(server: EngineServer) -> None:
-    request_id = new_id("whole")
-    client = RawClient(server.port).post(
-        "/mw/generate", request(request_id, stream=False, api="cm")
-    )
-    wait_for(lambda: server.probe.tokens(request_id) >= 20, 30, "generation to start")
-    measured = check_left_engine(server, request_id, client.close())
-    assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
-    MEASURED["non_stream"] = measured
 
 
 def test_disconnect_while_queued_behind_a_long_request(server: EngineServer) -> None:
@@ -171,9 +154,8 @@ def test_disconnect_while_queued_behind_a_long_request(server: EngineServer) -> 
         assert dequeued_at is not None
         assert probe.tokens(queued_id) == 0  # never scheduled
         aborts = probe.aborts_of(queued_id)
-        assert aborts
-        assert aborts[0][1] == [queued_id]
-        assert not aborts[0][2]
+        assert aborts, "no abort reached the engine"
+        assert aborts[0][1:] == ([queued_id], False)  # the adapter's, not vLLM's own
         assert server.unfinished() == 1  # the long request goes on
         assert probe.tokens(long_id, after=fired) > 0
         MEASURED["queued"] = {
@@ -185,41 +167,45 @@ def test_disconnect_while_queued_behind_a_long_request(server: EngineServer) -> 
     check_left_engine(server, long_id, long_client.closed_at or 0.0)
 
 
-def test_disconnect_with_n_3(server: EngineServer) -> None:
-    request_id = new_id("nthree")
-    client = RawClient(server.port).post(
-        "/mw/generate", request(request_id, stream=False, api="cm", n=3, max_tokens=300)
-    )
-    wait_for(lambda: server.probe.tokens(request_id) >= 10, 30, "generation to start")
-    assert server.probe.scheduler_now() == (1, 2)  # max_num_seqs=1: two children wait
-    measured = check_left_engine(server, request_id, client.close())
-    assert [ids for _, ids, internal in server.probe.aborts_of(request_id) if not internal] == [
-        [request_id]
-    ]
-    assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
-    MEASURED["n3"] = measured
-
-
-def test_disconnect_with_two_prompts_iterated_in_background_tasks(server: EngineServer) -> None:
-    """The producers are tasks nothing cancels: only the adapter's abort reaches them."""
-    request_id = new_id("prompts")
-    payload = request(request_id, stream=True, api="tasks", prompts=["A llama.", "Two llamas."])
+@pytest.mark.parametrize(
+    ("case", "stream", "api", "extra", "leave_after"),
+    [
+        ("non_stream", False, "cm", {}, 20),
+        ("n3", False, "cm", {"n": 3, "max_tokens": 300}, 10),
+        ("two_prompts_background_tasks", True, "tasks", {"prompts": TWO_PROMPTS}, 10),
+    ],
+    ids=["non-stream", "n-3", "two-prompts-in-background-tasks"],
+)
+def test_disconnect_mid_generation_through_abort_on_cancel(
+    server: EngineServer, case: str, stream: bool, api: str, extra: Any, leave_after: int
+) -> None:
+    """A whole answer; n=3, whose other two children wait (max_num_seqs=1), one abort of its
+    id; two prompts whose producers are tasks nothing cancels: only the adapter's abort reaches
+    them, one abort of both ids."""
+    request_id = new_id(case)
+    payload = request(request_id, stream=stream, api=api, **extra)
     client = RawClient(server.port).post("/mw/generate", payload)
-    client.read_until(lambda response: lines(response) >= 10)
+    if stream:
+        client.read_until(lambda response: lines(response) >= leave_after)
+    else:
+        wait_for(lambda: server.probe.tokens(request_id) >= leave_after, 30, "generation to start")
+    if case == "n3":
+        assert server.probe.scheduler_now() == (1, 2)
     measured = check_left_engine(server, request_id, client.close())
-    ids = [f"{request_id}-p0", f"{request_id}-p1"]
-    assert [entry[1] for entry in server.probe.aborts if entry[1] == ids] == [ids]
+    ids = [f"{request_id}-p0", f"{request_id}-p1"] if api == "tasks" else [request_id]
+    adapters = [
+        called for _, called, internal in server.probe.aborts_of(request_id) if not internal
+    ]
+    assert adapters == [ids]
     assert measured["tokens_after"] <= MAX_TOKENS_AFTER_DISCONNECT, measured
-    MEASURED["two_prompts_background_tasks"] = measured
+    MEASURED[case] = measured
 
 
 def test_background_tasks_without_the_adapter_keep_generating(server: EngineServer) -> None:
     """The same producers, middleware but no adapter: cancelling the app does not reach them."""
     probe = server.probe
     request_id = new_id("orphans")
-    payload = request(
-        request_id, stream=True, api="tasks-bare", prompts=["A llama.", "Two llamas."]
-    )
+    payload = request(request_id, stream=True, api="tasks-bare", prompts=TWO_PROMPTS)
     client = RawClient(server.port).post("/mw/generate", payload)
     client.read_until(lambda response: lines(response) >= 10)
     client.close()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,6 +44,7 @@ from ._routes import (
     CELL_IDS,
     CELLS,
     ROUTES,
+    RUNS,
     TOKENS_AFTER_CLOSE,
     check_stopped,
     events,
@@ -58,10 +58,7 @@ import_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MAX_NUM_SEQS = 4
 VARIANTS = {"asgi-cancel": (MIDDLEWARE,), "vllm-alone": ()}
-# Runs per cell: CI takes 2; `ASGI_CANCEL_VLLM_RUNS=5` for the table in docs/vllm.md.
-RUNS = int(os.environ.get("ASGI_CANCEL_VLLM_RUNS", "2"))
 MEASURED: dict[str, Any] = {}
 
 with_middleware = pytest.mark.parametrize("server", ["asgi-cancel"], indirect=True)
@@ -79,7 +76,6 @@ def server(
     with serve(
         log,
         middleware=VARIANTS[variant],
-        max_num_seqs=MAX_NUM_SEQS,
         # The Responses API's store: what background mode (and its cancel) needs.
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
         extra=["--enable-server-load-tracking"],
@@ -108,9 +104,7 @@ def idle_server(server: OpenAIServer) -> Iterator[None]:
 @pytest.mark.parametrize("moment", ["queued", "mid"])
 def test_client_leaves(server: OpenAIServer, route: str, stream: bool, moment: str) -> None:
     """With the middleware, and without it (the control): vLLM stops on its own, as fast."""
-    runs = leave_runs(server, route, moment, stream=stream, runs=RUNS, fillers=MAX_NUM_SEQS)
-    when = "before the first token" if moment == "queued" else "mid-generation"
-    measured(server.variant)[f"{route}/{'stream' if stream else 'whole'}/{when}"] = summary(runs)
+    leave_runs(server, route, moment, stream=stream, into=measured(server.variant))
 
 
 @both
@@ -264,22 +258,18 @@ def test_overload_of_timed_out_clients_then_one_request_is_served_promptly(
     """vLLM's own request-cancellation test, in spirit: 40 long chat requests whose clients
     time out after 0.5 s (about 18k tokens of work: a minute on this machine), then one short
     request must be answered within seconds."""
-    messages = [{"role": "user", "content": "Write a very long story."}]
+    story = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+    }
 
     async def flood() -> list[BaseException | None]:
         async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as client:
 
             async def one() -> BaseException | None:
                 try:
-                    await client.post(
-                        "/v1/chat/completions",
-                        json={
-                            "model": MODEL_NAME,
-                            "messages": messages,
-                            "max_tokens": 450,
-                            "ignore_eos": True,
-                        },
-                    )
+                    long = story | {"max_tokens": 450, "ignore_eos": True}
+                    await client.post("/v1/chat/completions", json=long)
                 except httpx.TimeoutException as error:
                     return error
                 return None
@@ -291,11 +281,8 @@ def test_overload_of_timed_out_clients_then_one_request_is_served_promptly(
     outcomes = asyncio.run(flood())
     assert all(isinstance(outcome, httpx.TimeoutException) for outcome in outcomes), outcomes
     served_started = time.monotonic()
-    response = httpx.post(
-        f"{server.url}/v1/chat/completions",
-        json={"model": MODEL_NAME, "messages": messages, "max_tokens": 10},
-        timeout=10,
-    )
+    short = story | {"max_tokens": 10}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=short, timeout=10)
     served_in = time.monotonic() - served_started
     assert response.status_code == 200
     assert len(response.json()["choices"]) == 1

@@ -39,8 +39,8 @@ from typing import Any
 
 import pytest
 
-from ..servers.client import FIN, close
-from ..servers.websocket_client import WebSocket, upgrade
+from ..servers.client import FIN, RST, SOCKET_TIMEOUT, close
+from ..servers.ws_client import CLOSE_1000, WebSocket, start_handshake
 from ._harness import LEAVES_ENGINE_WITHIN, import_vllm, tiny_asr_model, wait_for
 from ._openai import MODEL_NAME, OpenAIServer, serve
 from ._routes import TOKENS_AFTER_CLOSE, Left, summary
@@ -147,8 +147,10 @@ def event(kind: str, **fields: Any) -> str:
 
 
 def open_session(server: OpenAIServer, variant: str) -> WebSocket:
-    websocket = WebSocket.connect(server.port, PATH, headers=VARIANTS[variant])
-    assert json.loads(websocket.receive_text())["type"] == "session.created"
+    websocket = WebSocket.connect(
+        server.port, PATH, headers=VARIANTS[variant], timeout=SOCKET_TIMEOUT
+    )
+    assert json.loads(websocket.read_text())["type"] == "session.created"
     return websocket
 
 
@@ -163,7 +165,7 @@ def start_generation(websocket: WebSocket, seconds: int, *, final: bool) -> None
 def read_deltas(websocket: WebSocket, count: int) -> None:
     received = 0
     while received < count:
-        message = json.loads(websocket.receive_text())
+        message = json.loads(websocket.read_text())
         assert message["type"] == "transcription.delta", message
         received += 1
 
@@ -186,7 +188,7 @@ def leave(server: OpenAIServer, variant: str, moment: str, how: str) -> LeftSess
     if moment == "handshake":
         # The upgrade request sent, its answer never read: vLLM accepts at once, so the
         # middleware meets the disconnect in the session (its log line says so).
-        sock = upgrade(server.port, PATH, headers=VARIANTS[variant])
+        sock = start_handshake(server.port, PATH, headers=VARIANTS[variant])
         scraped_at, before = time.monotonic(), server.metrics()
         closed_at = close(sock, FIN)
     else:
@@ -198,13 +200,14 @@ def leave(server: OpenAIServer, variant: str, moment: str, how: str) -> LeftSess
             start_generation(websocket, LONG_S, final=True)
             read_deltas(websocket, CLOSE_AFTER)
         scraped_at, before = time.monotonic(), server.metrics()
-        closed_at = websocket.send_close() if how == "close-frame" else websocket.reset()
+        closed_at = websocket.leave(CLOSE_1000 if how == "close-frame" else RST)
     wait_for(lambda: server.running_waiting() == (0, 0), LEAVES_ENGINE_WITHIN, "engine idle")
     idle = time.monotonic() - closed_at
     wait_for(lambda: connections(server) == 0, LEAVES_ENGINE_WITHIN, "vLLM's handler to end")
     handler_ended = time.monotonic() - closed_at
     if moment != "handshake" and how == "close-frame":
-        websocket.finish_close()
+        websocket.read_until_closed()
+        websocket.close()
     if variant == "asgi-cancel":
         wait_for(lambda: bool(cancel_lines(server.log_text()[mark:])), 2, "the cancel line")
     time.sleep(0.3)  # anything still generated shows up now
@@ -268,13 +271,13 @@ def test_a_whole_session_generates_every_segment(server: OpenAIServer, variant: 
     websocket = open_session(server, variant)
     start_generation(websocket, LONG_S, final=True)
     deltas = 0
-    while (message := json.loads(websocket.receive_text()))["type"] == "transcription.delta":
+    while (message := json.loads(websocket.read_text()))["type"] == "transcription.delta":
         deltas += 1
     assert message["type"] == "transcription.done", message
     tokens = server.generated() - generated
     assert message["usage"]["completion_tokens"] == tokens == LONG_S // SEGMENT_S * SEGMENT_TOKENS
-    websocket.send_close()
-    websocket.finish_close()
+    websocket.leave_politely(CLOSE_1000)
+    websocket.close()
     measured(variant)["whole session"] = {"tokens": tokens, "deltas": deltas}
 
 
