@@ -29,7 +29,7 @@ WATCHDOG = 5.0
 DISCONNECT: Message = {"type": "http.disconnect"}
 REQUEST_DONE: Message = {"type": "http.request", "body": b"", "more_body": False}
 # What the middleware completes a cancelled HTTP/1.1 request with, for an outer middleware.
-CANCELLED_RESPONSE = [
+CANCELLED_RESPONSE: list[Message] = [
     {"type": "http.response.start", "status": 499, "headers": []},
     {"type": "http.response.body", "body": b"", "more_body": False},
 ]
@@ -269,10 +269,7 @@ class Node:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.run(self._start())
-
-    async def _start(self) -> None:
-        self.registry.started()
+        self.loop.call_soon_threadsafe(self.registry.started)  # its broker starts in its loop
 
     def run(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(NODE_WATCHDOG)

@@ -40,23 +40,10 @@ class RedisServer:
             if os.environ.get("CI") == "true":
                 pytest.fail("redis-server is not installed (.ci/run installs it)")
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        options = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir)]
+        options += ["--save", "", "--appendonly", "no", *self.args]
         self.process = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-                *self.args,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            [binary, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + START_TIMEOUT
         while not self.answers():

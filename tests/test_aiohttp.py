@@ -129,12 +129,8 @@ async def test_fan_out_from_spawned_tasks_is_closed_too(anyio_backend: str) -> N
         client = await session()
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            calls = [
-                asyncio.get_running_loop().create_task(
-                    client.get(f"http://127.0.0.1:{u.port}/slow")
-                )
-                for u in (first, second)
-            ]
+            start = asyncio.get_running_loop().create_task
+            calls = [start(client.get(f"http://127.0.0.1:{u.port}/slow")) for u in (first, second)]
             try:
                 await asyncio.sleep(30)
             finally:

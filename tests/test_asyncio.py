@@ -28,6 +28,7 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
 from .helpers import (
+    REQUEST_DONE,
     WATCHDOG,
     QueueServer,
     leave,
@@ -64,10 +65,16 @@ async def serve(app: ASGIApp, conn: ClientConnection) -> str:
     return f"{outcome}, cancelling=0"  # 3.10 cannot tell
 
 
-async def serve_and_leave(app: ASGIApp, conn: ClientConnection | None = None) -> str:
-    conn = conn if conn is not None else ClientConnection()
+async def watched(app: ASGIApp, conn: ClientConnection) -> asyncio.Task[str]:
+    """`serve()` in a task of its own, once the client's connection is watched."""
     task = asyncio.create_task(serve(app, conn))
     await until(lambda: watching(conn))
+    return task
+
+
+async def serve_and_leave(app: ASGIApp, conn: ClientConnection | None = None) -> str:
+    conn = conn if conn is not None else ClientConnection()
+    task = await watched(app, conn)
     conn.disconnect()
     return await with_watchdog(task)
 
@@ -153,8 +160,7 @@ async def test_outside_and_own_cancellation_together(first: str, cleanup: str) -
             raise
 
     conn = ClientConnection()
-    task = asyncio.create_task(serve(app, conn))
-    await until(lambda: watching(conn))
+    task = await watched(app, conn)
     steps: list[Callable[[], object]] = [conn.disconnect, task.cancel]  # leave; shut down
     if first == "shutdown":
         steps.reverse()
@@ -180,8 +186,7 @@ async def test_outside_cancel_during_finish_leaves_no_task_behind() -> None:
 
     before = asyncio.all_tasks()
     conn = ClientConnection()
-    task = asyncio.create_task(serve(app, conn))
-    await until(lambda: watching(conn))
+    task = await watched(app, conn)
     conn.disconnect()
     await until(lambda: events == ["cancelled"])
     await asyncio.sleep(0.01)  # __call__ now waits for abort() before it returns
@@ -378,11 +383,8 @@ async def test_app_cancelling_its_own_handler_gets_no_second_cancellation(shape:
     # The 0.3 s cleanup outlived the 0.02 s grace and completed; the middleware returned
     # only after the app had finished.
     assert outcome["handler_task"].done()
-    assert (outcome["handler"], outcome["cleanup"], outcome["app"]) == (
-        "cancelled",
-        "done",
-        "disconnect won",
-    )
+    ended = (outcome["handler"], outcome["cleanup"], outcome["app"])
+    assert ended == ("cancelled", "done", "disconnect won")
     assert conn.app_exception is None
 
 
@@ -435,24 +437,20 @@ async def test_an_anyio_scope_cancelled_as_the_app_ends_still_knows_its_cancella
     watcher task (a test client tearing down, an outer timeout): it re-raises that very
     cancellation, which anyio recognises by its message and stops at its scope, instead of a
     new one that would escape it."""
-    first: Message = (
-        {"type": "websocket.connect"}
-        if scope_type == "websocket"
-        else {"type": "http.request", "body": b"", "more_body": False}
-    )
-    server = QueueServer(first)
+    websocket = scope_type == "websocket"
+    server = QueueServer({"type": "websocket.connect"} if websocket else REQUEST_DONE)
     cancelled: list[anyio.CancelScope] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await receive()
         await asyncio.sleep(0.02)  # past watch_delay: an HTTP request gets its watcher too
-        if scope_type == "websocket":
+        if websocket:
             await send({"type": "websocket.close", "code": 1000})
         else:
             await respond(send)
         asyncio.get_running_loop().call_soon(cancelled[0].cancel)  # as the app ends
 
-    scope = http_scope() if scope_type == "http" else {"type": "websocket", "path": "/"}
+    scope = {"type": "websocket", "path": "/"} if websocket else http_scope()
     with anyio.fail_after(WATCHDOG):
         with anyio.CancelScope() as outer:
             cancelled.append(outer)

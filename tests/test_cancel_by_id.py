@@ -20,7 +20,7 @@ from asgi_cancel import (
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import WATCHDOG, QueueServer, respond, running, slow_app, until, with_watchdog
+from .helpers import QueueServer, respond, running, slow_app, until, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
@@ -108,33 +108,6 @@ async def test_an_id_reused_by_two_running_requests_cancels_both() -> None:
     assert events.count("cancelled") == 2
     assert first.status == second.status == 499
     assert len(registry) == 0
-
-
-async def test_an_id_is_read_from_the_header_or_generated_and_only_with_a_registry() -> None:
-    seen: list[Any] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        seen.append(current_token().request_id)
-        seen.append(scope["state"].get("request_id"))
-        await respond(send, b"", 204)
-
-    middleware = CancelOnDisconnectMiddleware(app, registry=CancelRegistry())
-    custom = CancelRegistry(header="X-Correlation-Id")
-    with anyio.fail_after(WATCHDOG):
-        await ClientConnection().run(middleware, http_scope())
-        await ClientConnection().run(middleware, http_scope())
-        scope = http_scope(headers=[(b"x-correlation-id", b"corr-1")])
-        await ClientConnection().run(CancelOnDisconnectMiddleware(app, registry=custom), scope)
-        await ClientConnection().run(CancelOnDisconnectMiddleware(app), with_id("ignored"))
-    first, state, second, _, corr, _, none, _ = seen
-    assert isinstance(first, str)
-    assert len(first) == 24
-    assert state == first
-    assert isinstance(second, str)
-    assert len(second) == 24
-    assert second != first
-    assert corr == "corr-1"
-    assert none is None  # without a registry there is no id
 
 
 async def test_a_disconnected_request_is_not_cancelled_again_by_id() -> None:

@@ -137,9 +137,8 @@ async def test_extra_empty_request_after_body_is_ignored() -> None:
             server.disconnect()
         await respond(send)
 
-    await with_watchdog(
-        CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, server.send)
-    )
+    middleware = CancelOnDisconnectMiddleware(app)
+    await with_watchdog(middleware(http_scope(), server.receive, server.send))
     assert received == [{"type": "http.request", "body": b"abc", "more_body": False}, DISCONNECT]
 
 
@@ -458,9 +457,7 @@ async def test_listening_app_that_ignores_disconnect_is_cancelled_after_grace() 
 
 # -- a finished cycle ---------------------------------------------------------------------------
 @pytest.mark.parametrize("awaits", [False, True], ids=["never-awaits", "awaits"])
-async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(
-    awaits: bool,
-) -> None:
+async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(awaits: bool) -> None:
     """The context variable holds the cycle, and a server may copy the request's context in
     its final send: the finished cycle must not hold the server's receive/send, or the
     server's per-request objects live on in a reference cycle (10x the generation-0
@@ -474,11 +471,10 @@ async def test_a_context_copied_in_the_final_send_keeps_nothing_of_the_server(
     server = KeepAliveServer()
     kept = server.kept
     alive = weakref.ref(server)
+    middleware = CancelOnDisconnectMiddleware(app)
     gc.disable()
     try:
-        await with_watchdog(
-            CancelOnDisconnectMiddleware(app)(http_scope(), server.receive, server.send)
-        )
+        await with_watchdog(middleware(http_scope(), server.receive, server.send))
         del server
         assert len(kept) == 1  # the copied context is still held...
         assert alive() is None  # ...and the server's object was freed without the GC

@@ -53,9 +53,7 @@ class Passthrough(BaseHTTPMiddleware):
 
 
 def starlette_app() -> Starlette:
-    app = Starlette(
-        routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream)],
-    )
+    app = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream)])
     app.add_middleware(Passthrough)
     app.add_middleware(CancelOnDisconnectMiddleware)  # outermost user middleware
     return app

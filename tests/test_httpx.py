@@ -8,12 +8,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from asgi_cancel import (
-    CancelOnDisconnectMiddleware,
-    CancelRegistry,
-    detach,
-    shield,
-)
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, detach, shield
 from asgi_cancel._forwarding import ForwardTo
 from asgi_cancel.httpx import CancelTransport, UpstreamCancelled
 from asgi_cancel.testing import ClientConnection, http_scope
@@ -143,17 +138,16 @@ def remaining_ms(headers: httpx.Headers) -> int:
     return int(headers["x-request-timeout"].removesuffix("ms"))
 
 
+def internal(scheme: str, host: str, port: int | None) -> bool:
+    return host.endswith(".internal")
+
+
 COPIED = {"x-request-id": "client-chosen", "x-request-timeout": "10m"}
 FORWARDED: dict[str, tuple[ForwardTo, str, dict[str, str] | None, bool]] = {
     "host": (["up"], "http://up/", None, True),
     "host-and-port": (["UP:8000"], "http://up:8000/", None, True),
     "default-port": (["up:80"], "http://up/", None, True),
-    "predicate": (
-        lambda scheme, host, port: host.endswith(".internal"),
-        "https://a.internal/",
-        None,
-        True,
-    ),
+    "predicate": (internal, "https://a.internal/", None, True),
     # An app that copies its client's headers upstream: the client chooses neither the next
     # hop's id nor a longer deadline.
     "the-gateways-own-win": (["up"], "http://up/", COPIED, True),

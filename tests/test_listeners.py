@@ -57,9 +57,7 @@ def sse_app(events: list[str]) -> ASGIApp:
 @pytest.mark.parametrize("order", ["disconnect-first", "body-first"])
 async def test_sse_starlettes_background_task_runs_whatever_the_order(order: str) -> None:
     events: list[str] = []
-    conn: ClientConnection = (
-        LeftBeforeTheBody() if order == "disconnect-first" else ClientConnection()
-    )
+    conn = LeftBeforeTheBody() if order == "disconnect-first" else ClientConnection()
     middleware = CancelOnDisconnectMiddleware(sse_app(events))
     with anyio.fail_after(WATCHDOG):
         async with anyio.create_task_group() as group:

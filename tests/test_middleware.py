@@ -8,6 +8,7 @@ import logging
 import traceback
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import anyio
 import pytest
@@ -16,15 +17,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, current_token
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import CancelledRequest, Message, Receive, Scope, Send
 
-from .helpers import (
-    cleanup_scope,
-    leave,
-    read_body,
-    slow_app,
-    tasks_alive,
-    until,
-    with_watchdog,
-)
+from .helpers import cleanup_scope, leave, read_body, slow_app, tasks_alive, until, with_watchdog
 
 pytestmark = pytest.mark.anyio
 PACKAGE = str(Path(__file__).parents[1] / "asgi_cancel")
@@ -226,17 +219,9 @@ async def test_a_cancelled_request_is_logged_and_reported_once(
     assert messages[0].startswith("POST /v1/completions cancelled after ")
     assert messages[0].endswith("s mid-stream: client disconnected (499)")
     fields = getattr(caplog.records[-1], "asgi_cancel")  # noqa: B009 (set through extra=)
-    assert fields == {
-        "method": "POST",
-        "path": "/v1/completions",
-        "route": "unmatched",  # no router in this app
-        "reason": "client disconnected",
-        "elapsed": fields["elapsed"],
-        "response_started": True,
-        "phase": "mid_stream",
-        "status": 499,
-        "request_id": None,
-    }
+    request = {"method": "POST", "path": "/v1/completions", "route": "unmatched"}  # no router
+    outcome = {"reason": "client disconnected", "response_started": True, "phase": "mid_stream"}
+    assert fields == {**request, **outcome, "status": 499, "request_id": None, "elapsed": ANY}
     assert 0 < fields["elapsed"] < 5
 
 

@@ -22,19 +22,7 @@ from asgi_cancel.testing import http_scope
 from asgi_cancel.types import CancelledRequest, Receive, Scope, Send
 
 from .helpers import leave
-from .servers.client import (
-    CHUNK_MARKER,
-    RST,
-    close,
-    connect,
-    get,
-    new_id,
-    read_head,
-    read_response,
-    read_to_eof,
-    recv_some,
-    send_request,
-)
+from .servers import client as wire
 from .servers.events import CLEANUP
 from .servers.runner import HYPERCORN_TRIO, UVICORN_HTTPTOOLS, ServerSpec, running_server
 
@@ -55,54 +43,54 @@ def value(found: Samples, name: str, **labels: str) -> float:
 
 # -- under a real server ------------------------------------------------------------------------
 def leave_before_response(port: int, target: str) -> None:
-    with connect(port) as sock:
-        send_request(sock, "GET", target)
+    with wire.connect(port) as sock:
+        wire.send_request(sock, "GET", target)
         time.sleep(0.3)  # the app is sleeping in its endpoint
-        close(sock, RST)
+        wire.close(sock, wire.RST)
 
 
 def read_until(sock: socket.socket, body: bytes, end: Callable[[bytes], bool]) -> bytes:
     while not end(body):
-        body += recv_some(sock)
+        body += wire.recv_some(sock)
     return body
 
 
 def leave_mid_stream(port: int, target: str) -> None:
-    with connect(port) as sock:
-        send_request(sock, "GET", target)
-        read_until(sock, read_head(sock)[2], lambda body: CHUNK_MARKER in body)
-        close(sock, RST)
+    with wire.connect(port) as sock:
+        wire.send_request(sock, "GET", target)
+        read_until(sock, wire.read_head(sock)[2], lambda body: wire.CHUNK_MARKER in body)
+        wire.close(sock, wire.RST)
 
 
 def stopped_before_response(port: int, target: str, header: tuple[str, str]) -> int:
     """A request cancelled by its id, or past its deadline, while its client waits: the
     status the client gets."""
-    with connect(port) as sock:
-        send_request(sock, "GET", target, headers=(header,))
+    with wire.connect(port) as sock:
+        wire.send_request(sock, "GET", target, headers=(header,))
         if header[0] == "X-Request-Id":
             time.sleep(0.3)  # the app is sleeping in its endpoint
             assert cancel_by_id(port, header[1]) == 200
-        return read_response(sock).status
+        return wire.read_response(sock).status
 
 
 def stopped_mid_stream(port: int, target: str, header: tuple[str, str]) -> int:
     """The same mid-stream: the server closes the connection under the stream (no final
     chunk, a visible cut); the status the client got."""
-    with connect(port) as sock:
-        send_request(sock, "GET", target, headers=(header,))
-        status, _, body = read_head(sock)
-        body = read_until(sock, body, lambda body: CHUNK_MARKER in body)
+    with wire.connect(port) as sock:
+        wire.send_request(sock, "GET", target, headers=(header,))
+        status, _, body = wire.read_head(sock)
+        body = read_until(sock, body, lambda body: wire.CHUNK_MARKER in body)
         if header[0] == "X-Request-Id":
             assert cancel_by_id(port, header[1]) == 200
-        body += read_to_eof(sock)
+        body += wire.read_to_eof(sock)
         assert not body.endswith(b"0\r\n\r\n"), body[-40:]
         return status
 
 
 def cancel_by_id(port: int, request_id: str) -> int:
-    with connect(port) as sock:
-        send_request(sock, "POST", f"/v1/requests/{request_id}/cancel")
-        return read_response(sock).status
+    with wire.connect(port) as sock:
+        wire.send_request(sock, "POST", f"/v1/requests/{request_id}/cancel")
+        return wire.read_response(sock).status
 
 
 def counted(found: Samples, name: str) -> dict[tuple[str, ...], float]:
@@ -138,8 +126,8 @@ def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
             leave_before_response(port, f"/items/{item_id}")
         for name in ("a", "b"):
             leave_mid_stream(port, f"/stream/{name}")
-        assert get(port, "/payments/7").body == b"slow done"  # excluded: not counted
-        run = new_id()
+        assert wire.get(port, "/payments/7").body == b"slow done"  # excluded: not counted
+        run = wire.new_id()
         by_id, timed = ("X-Request-Id", f"{run}-i"), ("X-Request-Timeout", "300ms")
         assert stopped_before_response(port, "/items/8", by_id) == 499
         assert stopped_mid_stream(port, "/stream/e", ("X-Request-Id", f"{run}-s")) == 200
@@ -148,12 +136,12 @@ def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
 
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            found = samples(get(port, "/metrics").body.decode())
+            found = samples(wire.get(port, "/metrics").body.decode())
             if counted(found, "test_cancel_cleanup_seconds_count") == expected:
                 break
             time.sleep(0.1)
         time.sleep(0.3)  # anything counted twice would show up by now
-        found = samples(get(port, "/metrics").body.decode())
+        found = samples(wire.get(port, "/metrics").body.decode())
         assert counted(found, "test_cancelled_requests_total") == expected
         assert counted(found, "test_cancel_cleanup_seconds_count") == expected
         for key, total in counted(found, "test_cancel_cleanup_seconds_sum").items():
@@ -178,11 +166,7 @@ async def test_cardinality_bounded_under_a_thousand_distinct_paths() -> None:
     metrics = CancelMetrics(registry=registry)
     starlette = Starlette(routes=[Route("/users/{user_id}/orders", slow)])
     starlette.router.default = slow_fallback  # what no route matched: no scope["route"]
-    app = CancelOnDisconnectMiddleware(
-        starlette,
-        on_cancelled=metrics,
-        watch_delay=0,
-    )
+    app = CancelOnDisconnectMiddleware(starlette, on_cancelled=metrics, watch_delay=0)
 
     for n in range(1000):
         await leave(app, scope=http_scope("GET", f"/users/{n}/orders"), interval=0)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # imported by pytest_plugins below first, for pytest to rewri
 # Installed, the package's pytest11 entry point loads the plugin; a checkout installed before
 # the entry point existed loads it here (the same name: never twice).
 pytest_plugins = ("pytester", "asgi_cancel.pytest_plugin")
+NO_CACHE = ("-p", "no:cacheprovider")
 
 pytestmark = [
     # Leaving `async for` over an httpx stream early leaves httpx's async generators to the
@@ -119,18 +120,14 @@ def test_an_app_still_running_when_the_test_ends_fails_it_there(pytester: pytest
             """
         )
     )
-    result = pytester.runpytest_inprocess(
-        *plugin_args(), "-p", "no:asyncio", "-p", "no:cacheprovider"
-    )
+    result = pytester.runpytest_inprocess(*plugin_args(), "-p", "no:asyncio", *NO_CACHE)
     result.assert_outcomes(passed=2, errors=2)  # on asyncio and trio: the test, then its teardown
     result.stdout.fnmatch_lines(["*AppStillRunning: GET /s: the app was still running 0.05s*"])
 
 
 def test_outside_an_async_test_it_says_what_it_needs(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_sync(asgi_client):\n    pass\n")
-    result = pytester.runpytest_inprocess(
-        *plugin_args(), "-p", "no:asyncio", "-p", "no:cacheprovider"
-    )
+    result = pytester.runpytest_inprocess(*plugin_args(), "-p", "no:asyncio", *NO_CACHE)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*asgi_client closes its clients in the test's event loop*"])
 
@@ -181,17 +178,8 @@ def test_under_pytest_asyncio_in_the_tests_own_loop(pytester: pytest.Pytester, m
             """
         )
     )
-    result = pytester.runpytest_inprocess(
-        *plugin_args(),
-        "-p",
-        "asyncio",
-        "-p",
-        "no:cacheprovider",
-        "-o",
-        "asyncio_default_fixture_loop_scope=function",
-        "-o",
-        f"asyncio_mode={mode}",
-    )
+    options = ["-o", "asyncio_default_fixture_loop_scope=function", "-o", f"asyncio_mode={mode}"]
+    result = pytester.runpytest_inprocess(*plugin_args(), "-p", "asyncio", *NO_CACHE, *options)
     result.assert_outcomes(passed=3)
 
 

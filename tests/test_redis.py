@@ -16,7 +16,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,21 @@ def cancel_running(holder: Node, canceller: Node, request_id: str) -> None:
     assert request.result(WATCHDOG).status == 499
 
 
-def wait_connected(nodes: tuple[Node, ...], connected: bool = True) -> None:
+def wait_connected(nodes: Sequence[Node], connected: bool = True) -> None:
     for node in nodes:
         node.wait_connected(connected)
+
+
+@contextmanager
+def nodes_on(url: str, *names: str, **options: Any) -> Iterator[list[Node]]:
+    """A process for each of `names` on the Redis at `url`, connected; closed at the end."""
+    made = [Node(url, name, **options) for name in names]
+    try:
+        wait_connected(made)
+        yield made
+    finally:
+        for node in made:
+            node.close()
 
 
 @pytest.fixture
@@ -57,16 +70,11 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture
 def nodes(redis: RedisServer) -> Iterator[list[Node]]:
-    made = [Node(redis.url, name) for name in ("a", "b", "c")]
-    wait_connected(tuple(made))
-    yield made
-    for node in made:
-        node.close()
+    with nodes_on(redis.url, "a", "b", "c") as made:
+        yield made
 
 
-def test_a_cancel_that_arrives_before_its_request_stops_it_when_it_comes(
-    nodes: list[Node],
-) -> None:
+def test_a_cancel_that_arrives_before_its_request_stops_it_when_it_comes(nodes: list[Node]) -> None:
     a, b, _ = nodes
     held, _ = a.acancel("early")
     assert held is False  # nothing held it yet: 404 from the endpoint
@@ -153,23 +161,14 @@ def test_redis_killed_then_restarted_cancels_reach_across_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="asgi_cancel")
-    redis = RedisServer(tmp_path)
-    redis.start()
-    a, b = Node(redis.url, "a"), Node(redis.url, "b")
-    try:
-        wait_connected((a, b))
+    with running_redis(tmp_path) as redis, nodes_on(redis.url, "a", "b") as (a, b):
         redis.stop()  # killed mid-run
         wait_connected((a, b), False)
         cancel_running(b, b, "during-outage")  # requests still run and are cancellable
         assert a.acancel("elsewhere")[0] is False  # remote: not reachable, answered at once
-        redis = RedisServer(tmp_path, port=redis.port)
-        redis.start()  # restarted: the brokers reconnect by themselves
+        redis.start()  # restarted on its port: the brokers reconnect by themselves
         wait_connected((a, b))
         cancel_running(b, a, "after-restart")
-    finally:
-        a.close()
-        b.close()
-        redis.stop()
     messages = [r.getMessage() for r in caplog.records if r.name == "asgi_cancel"]
     assert sum("unreachable" in m for m in messages) == 2, messages  # once per broker
     assert sum("reachable again" in m for m in messages) == 2
@@ -184,12 +183,8 @@ def test_a_frozen_redis_is_noticed_once_cancels_answer_at_once_then_work_again(
     not after `wait`; requests run and local cancels work. Once Redis resumes, each broker
     logs it once and cancels reach across again."""
     caplog.set_level(logging.INFO, logger="asgi_cancel")
-    redis = RedisServer(tmp_path)
-    redis.start()
-    a = Node(redis.url, "a", wait=5.0, health_timeout=HEALTH)
-    b = Node(redis.url, "b", wait=5.0, health_timeout=HEALTH)
-    try:
-        wait_connected((a, b))
+    options = {"wait": 5.0, "health_timeout": HEALTH}
+    with running_redis(tmp_path) as redis, nodes_on(redis.url, "a", "b", **options) as (a, b):
         with redis.frozen(at_most=FREEZE):
             frozen_at = time.monotonic()
             wait_connected((a, b), False)
@@ -207,10 +202,6 @@ def test_a_frozen_redis_is_noticed_once_cancels_answer_at_once_then_work_again(
         wait_connected((a, b))
         cancel_running(b, a, "after-freeze")  # across again
         assert a.endpoint_cancel("nobody") == (404, {"id": "nobody", "cancelled": False})
-    finally:
-        a.close()
-        b.close()
-        redis.stop()
     assert noticed < HEALTH * 1.3 + 1.0  # the documented bound, and 1 s for a loaded machine
     records = [r for r in caplog.records if r.name == "asgi_cancel"]
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
@@ -227,35 +218,29 @@ def test_a_busy_redis_is_not_taken_as_away(
     with BUSY (after its busy-reply threshold, 0.2 s here, 5 s by default), so it is busy, not
     away: no warning, the brokers stay connected, and cancels reach across as before."""
     caplog.set_level(logging.INFO, logger="asgi_cancel")
-    with running_redis(tmp_path, args=["--lua-time-limit", "200"]) as redis:
-        a, b = (
-            Node(redis.url, "a", health_timeout=HEALTH),
-            Node(redis.url, "b", health_timeout=HEALTH),
+    with (
+        running_redis(tmp_path, args=["--lua-time-limit", "200"]) as redis,
+        nodes_on(redis.url, "a", "b", health_timeout=HEALTH) as (a, b),
+    ):
+        busy_for = int(2 * HEALTH * 1_000_000)  # microseconds
+        script = (
+            "local t = redis.call('TIME') while true do local n = redis.call('TIME') "
+            f"if (n[1] - t[1]) * 1000000 + (n[2] - t[2]) > {busy_for} then return 1 end end"
         )
-        try:
-            wait_connected((a, b))
-            busy_for = int(2 * HEALTH * 1_000_000)  # microseconds
-            script = (
-                "local t = redis.call('TIME') while true do local n = redis.call('TIME') "
-                f"if (n[1] - t[1]) * 1000000 + (n[2] - t[2]) > {busy_for} then return 1 end end"
-            )
-            with socket.create_connection(("127.0.0.1", redis.port), timeout=WATCHDOG) as sock:
-                sock.sendall(command(b"EVAL", script.encode(), b"0"))
-                sock.settimeout(0.05)
-                deadline = time.monotonic() + WATCHDOG
-                while True:  # until the script is done: the brokers stay connected throughout
-                    assert time.monotonic() < deadline, "the script never ended"
-                    assert a.broker.connected
-                    assert b.broker.connected
-                    try:
-                        assert sock.recv(64) == b":1\r\n"
-                        break
-                    except TimeoutError:
-                        pass
-            cancel_running(b, a, "after-busy")
-        finally:
-            a.close()
-            b.close()
+        with socket.create_connection(("127.0.0.1", redis.port), timeout=WATCHDOG) as sock:
+            sock.sendall(command(b"EVAL", script.encode(), b"0"))
+            sock.settimeout(0.05)
+            deadline = time.monotonic() + WATCHDOG
+            while True:  # until the script is done: the brokers stay connected throughout
+                assert time.monotonic() < deadline, "the script never ended"
+                assert a.broker.connected
+                assert b.broker.connected
+                try:
+                    assert sock.recv(64) == b":1\r\n"
+                    break
+                except TimeoutError:
+                    pass
+        cancel_running(b, a, "after-busy")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -347,7 +332,6 @@ def test_one_registry_per_broker_no_credentials_shown_local_without_a_loop(
     assert "127.0.0.1:1" in repr(broker)
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
         broker.start_soon()  # no running loop: nothing to listen in
-    assert [r.getMessage() for r in caplog.records] == [
-        "RedisBroker needs asyncio; cancels stay local here"
-    ]
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message == "RedisBroker needs asyncio; cancels stay local here"
     assert asyncio.run(broker.cancel_elsewhere("r1", "cancelled by id")) is False

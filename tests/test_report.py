@@ -25,10 +25,7 @@ async def sleeps(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def cancelled_line(
-    caplog: pytest.LogCaptureFixture,
-    scope: Scope,
-    leave: bool = True,
-    **options: Any,
+    caplog: pytest.LogCaptureFixture, scope: Scope, leave: bool = True, **options: Any
 ) -> tuple[str, dict[str, Any]]:
     """Run `sleeps` until the client leaves (or a deadline passes); the one line logged."""
     conn = ClientConnection()

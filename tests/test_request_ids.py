@@ -36,7 +36,9 @@ def ids_in(conn: ClientConnection, name: bytes = b"x-request-id") -> list[bytes]
 
 
 async def answer_with_the_id(scope: Scope, receive: Receive, send: Send) -> None:
-    await respond(send, str(current_token().request_id).encode())
+    """Answers with its token's id and the one in the scope's state, if any."""
+    state = scope.get("state", {}).get("request_id")
+    await respond(send, f"{current_token().request_id} {state}".encode())
 
 
 async def served(app: ASGIApp, scope: Scope, **options: Any) -> ClientConnection:
@@ -60,16 +62,19 @@ async def test_the_id_the_client_sent_is_on_the_response_unless_refused(
     conn = await served(answer_with_the_id, scope, registry=CancelRegistry(header=header))
     assert conn.status == status
     if status == 200:
+        assert conn.body == b"%s %s" % (sent, sent)  # the token's and the scope's state's
         assert response_headers(conn) == [(name, sent)]  # under the registry's header only
     else:
         assert ids_in(conn) == []  # a refused id is never echoed
 
 
-async def test_a_generated_id_is_on_the_response() -> None:
-    conn = await served(answer_with_the_id, http_scope(), registry=CancelRegistry())
-    [generated] = ids_in(conn)
-    assert len(generated) == 24
-    assert generated == conn.body  # what current_token().request_id said
+async def test_a_generated_id_is_on_the_response_and_new_each_time() -> None:
+    registry = CancelRegistry()
+    conns = [await served(answer_with_the_id, http_scope(), registry=registry) for _ in (1, 2)]
+    [first], [second] = ids_in(conns[0]), ids_in(conns[1])
+    assert (len(first), len(second)) == (24, 24)
+    assert first != second
+    assert conns[0].body == b"%s %s" % (first, first)  # the token's and the scope's state's
 
 
 @pytest.mark.parametrize(
@@ -79,6 +84,8 @@ async def test_a_generated_id_is_on_the_response() -> None:
 )
 async def test_no_id_on_a_response_without_one(options: dict[str, Any]) -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if "exclude" not in options:  # (an excluded route has no token at all)
+            assert current_token().request_id is None  # the header is not read either
         await respond(send)
 
     conn = await served(app, with_header(b"sent-1", "/payments/1"), **options)

@@ -17,6 +17,8 @@ from asgi_cancel._responses import COMPLETION_TIMEOUT
 from asgi_cancel.testing import ClientConnection
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
+from .helpers import respond
+
 pytestmark = pytest.mark.anyio
 WATCHDOG = COMPLETION_TIMEOUT + 4.0
 
@@ -44,8 +46,7 @@ def app_that(sends_in_cleanup: bool) -> ASGIApp:
         finally:
             if sends_in_cleanup:
                 with anyio.CancelScope(shield=True):
-                    await send({"type": "http.response.start", "status": 500, "headers": []})
-                    await send({"type": "http.response.body", "body": b"cleanup"})
+                    await respond(send, b"cleanup", 500)
 
     return app
 

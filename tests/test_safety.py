@@ -74,13 +74,14 @@ THREAD_RUNNERS: dict[str, ThreadRunner] = {
     "asgiref.sync_to_async": lambda work: sync_to_async(work, thread_sensitive=False)(),
 }
 ANYIO_RUNNERS = ("anyio.to_thread", "starlette.run_in_threadpool")  # the others are asyncio's
-
-
-@pytest.mark.parametrize(
+ON_EACH_RUNNER = pytest.mark.parametrize(
     ("anyio_backend", "runner"),
     [("asyncio", name) for name in THREAD_RUNNERS] + [("trio", name) for name in ANYIO_RUNNERS],
     ids=lambda value: str(value),
 )
+
+
+@ON_EACH_RUNNER
 async def test_request_does_not_unwind_around_a_running_thread(
     anyio_backend: str, runner: str
 ) -> None:
@@ -96,7 +97,7 @@ async def test_request_does_not_unwind_around_a_running_thread(
             if token.cancelled:
                 fired_while_thread_ran.set()
             time.sleep(0.005)
-        events.append("thread returned")
+        events.append("thread done")
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
@@ -112,20 +113,10 @@ async def test_request_does_not_unwind_around_a_running_thread(
 
     await leave(CancelOnDisconnectMiddleware(app), when=lambda: "thread started" in events)
     assert fired_while_thread_ran.is_set()  # the token told the thread at once
-    assert events == [
-        "thread started",
-        "thread returned",
-        "after the thread",
-        "cancelled",
-        "teardown",
-    ]
+    assert events == ["thread started", "thread done", "after the thread", "cancelled", "teardown"]
 
 
-@pytest.mark.parametrize(
-    ("anyio_backend", "runner"),
-    [("asyncio", name) for name in THREAD_RUNNERS] + [("trio", name) for name in ANYIO_RUNNERS],
-    ids=lambda value: str(value),
-)
+@ON_EACH_RUNNER
 async def test_a_loop_of_thread_calls_and_sends_stops_after_the_running_thread(
     anyio_backend: str, runner: str
 ) -> None:
@@ -149,7 +140,7 @@ async def test_a_loop_of_thread_calls_and_sends_stops_after_the_running_thread(
     assert len(stepped) <= 5, stepped  # without the checkpoint: all 100
 
 
-@pytest.mark.parametrize("endpoint_kind", ["def", "async def"])
+@pytest.mark.parametrize("endpoint_kind", ["def", "async-def"])
 async def test_fastapi_yield_dependency_torn_down_after_the_thread(endpoint_kind: str) -> None:
     """The usual `get_db()` dependency: closed only once the endpoint's thread is done."""
     events: list[str] = []
@@ -166,22 +157,21 @@ async def test_fastapi_yield_dependency_torn_down_after_the_thread(endpoint_kind
         events.append("endpoint returned")
 
     api = FastAPI()
-    if endpoint_kind == "def":
 
-        @api.get("/")
-        def sync_endpoint(db: str = Depends(get_db)) -> dict[str, str]:
-            work(db)
-            return {"status": "done"}
+    @api.get("/def")
+    def sync_endpoint(db: str = Depends(get_db)) -> dict[str, str]:
+        work(db)
+        return {"status": "done"}
 
-    else:
+    @api.get("/async-def")
+    async def async_endpoint(db: str = Depends(get_db)) -> dict[str, str]:
+        await run_in_threadpool(work, db)
+        await anyio.sleep(30)
+        return {"status": "done"}
 
-        @api.get("/")
-        async def async_endpoint(db: str = Depends(get_db)) -> dict[str, str]:
-            await run_in_threadpool(work, db)
-            await anyio.sleep(30)
-            return {"status": "done"}
-
-    await leave(CancelOnDisconnectMiddleware(api), when=lambda: "endpoint started" in events)
+    middleware = CancelOnDisconnectMiddleware(api)
+    scope = http_scope(path=f"/{endpoint_kind}")
+    await leave(middleware, scope=scope, when=lambda: "endpoint started" in events)
     assert events == ["endpoint started", "endpoint returned", "session closed"]
 
 

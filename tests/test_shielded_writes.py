@@ -15,6 +15,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiosqlite
@@ -53,15 +54,15 @@ NOTHING: tuple[list[tuple[int, int]], int] = ([], 0)
 WHOLE: tuple[list[tuple[int, int]], int] = ([(ORDER_ID, 2)], 2)
 
 
+@dataclass
 class Injector:
     """Numbers the endpoint's await points; the client leaves at the chosen one."""
 
-    def __init__(self, conn: ClientConnection, *, at: int | None, in_thread: int | None) -> None:
-        self.conn = conn
-        self.at = at
-        self.in_thread = in_thread
-        self.points = 0
-        self.threads = 0
+    conn: ClientConnection
+    at: int | None
+    in_thread: int | None
+    points: int = 0
+    threads: int = 0
 
     def point(self) -> None:
         if self.points == self.at:

@@ -16,17 +16,11 @@ PAGE = Path(__file__).parent.parent / "docs" / "testing.md"
 SAVED_AS = re.compile(
     r"[Ss]aved as\s+`(?P<name>[\w.]+)`:\n\n```python\n(?P<code>.*?)\n```", re.DOTALL
 )
-# Each test of the page, on the backends the anyio plugin gives it (trio is installed here).
-EXPECTED = {
-    "test_leaves.py": 2,
-    "test_timeout.py": 2,
-    "test_cancel_by_id.py": 2,
-    "test_deadline.py": 2,
-    "test_communicator.py": 1,  # asyncio only
-    "test_stream.py": 2,
-    "conftest.py": 0,  # the fixture of the app, for test_fixture*.py
-    "test_fixture.py": 2,
-}
+# Each test of the page, on the backends the anyio plugin gives it (trio is installed here);
+# test_communicator.py on asyncio only, and conftest.py is the app's fixture for test_fixture*.py.
+ON_BOTH = ("test_leaves.py", "test_timeout.py", "test_cancel_by_id.py", "test_deadline.py")
+EXPECTED = dict.fromkeys([*ON_BOTH, "test_stream.py", "test_fixture.py"], 2)
+EXPECTED |= {"test_communicator.py": 1, "conftest.py": 0}
 # Run by pytest-asyncio, in a run of its own (the one above leaves pytest-asyncio out).
 UNDER_PYTEST_ASYNCIO = {"test_fixture_asyncio.py": 1}
 

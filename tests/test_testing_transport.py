@@ -17,6 +17,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware
 from asgi_cancel.testing import AppStillRunning, ASGITransport
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
+from .helpers import DISCONNECT, REQUEST_DONE
 from .test_packaging import run_hidden
 
 # Leaving `async for` over an httpx stream early (what these tests do, and users) leaves httpx's
@@ -27,11 +28,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
 
-START = {
-    "type": "http.response.start",
-    "status": 200,
-    "headers": [(b"content-type", b"text/plain")],
-}
+TEXT = [(b"content-type", b"text/plain")]
+START = {"type": "http.response.start", "status": 200, "headers": TEXT}
 
 
 @dataclass
@@ -257,9 +255,7 @@ async def test_a_streamed_request_body_arrives_whole_in_order_once(slow: str) ->
     assert all(m["type"] == "http.request" for m in received)
 
 
-async def test_a_request_without_a_body_is_one_message_then_the_disconnect_after_the_response() -> (
-    None
-):
+async def test_a_request_without_a_body_is_one_message_then_the_disconnect() -> None:
     received: list[Message] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -271,10 +267,7 @@ async def test_a_request_without_a_body_is_one_message_then_the_disconnect_after
     with anyio.fail_after(5):
         async with client(ASGITransport(app)) as http:
             assert (await http.get("/")).text == "ok"
-    assert received == [
-        {"type": "http.request", "body": b"", "more_body": False},
-        {"type": "http.disconnect"},
-    ]
+    assert received == [REQUEST_DONE, DISCONNECT]
 
 
 async def boom_before(scope: Scope, receive: Receive, send: Send) -> None:
@@ -444,9 +437,7 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         asgi_cancel.testing.Nope  # noqa: B018
 
 
-async def test_a_request_body_that_raises_is_raised_on_the_call_and_the_app_sees_a_disconnect() -> (
-    None
-):
+async def test_a_failing_request_body_is_raised_on_the_call_and_the_app_sees_a_disconnect() -> None:
     """The body's iterator fails mid-upload: to the app, the connection dropped (it is told,
     not left waiting for the rest of the body); to the client, the iterator's error."""
     received: list[Message] = []

@@ -326,10 +326,7 @@ async def test_detached_handler_runs_to_the_end_while_its_token_reports_the_disc
         await endpoint()
         await respond(send)
 
-    def hook(request: CancelledRequest) -> None:
-        hook_calls.append(request)
-
-    middleware = CancelOnDisconnectMiddleware(app, on_cancelled=hook, watch_delay=0)
+    middleware = CancelOnDisconnectMiddleware(app, on_cancelled=hook_calls.append, watch_delay=0)
     await leave(middleware, scope=http_scope("POST", "/payments"), when=lambda: events != [])
     assert events == ["started", "token fired", "finished cancelled=True detached=True"]
     assert len(hook_calls) == 1

@@ -60,30 +60,22 @@ class Kind:
     name: str
 
 
+@dataclass
 class FakeEngine:
     """Yields one output per `step` seconds (`n` choices, cumulative or DELTA); `abort` ends a
     running request like vLLM does, `steps_after_abort` steps later (the step in flight, and one
     more before a real engine sees the abort), with a final `finish_reason="abort"` output."""
 
-    def __init__(
-        self,
-        *,
-        step: float = 0.002,
-        max_tokens: int = 2000,
-        admit_delay: float = 0.0,
-        abort_delay: float = 0.0,
-        steps_after_abort: int = 0,
-    ) -> None:
-        self.step = step
-        self.max_tokens = max_tokens
-        self.admit_delay = admit_delay
-        self.abort_delay = abort_delay
-        self.steps_after_abort = steps_after_abort
-        self.running: set[str] = set()
-        self.aborted: set[str] = set()
-        self.abort_calls: list[list[str]] = []
-        self.events: list[str] = []
-        self.generated = 0
+    step: float = 0.002
+    max_tokens: int = 2000
+    admit_delay: float = 0.0
+    abort_delay: float = 0.0
+    steps_after_abort: int = 0
+    running: set[str] = field(default_factory=set)
+    aborted: set[str] = field(default_factory=set)
+    abort_calls: list[list[str]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    generated: int = 0
 
     async def generate(
         self, prompt: object, sampling_params: Params | None, request_id: str, /
@@ -199,10 +191,7 @@ async def test_completed_request_is_never_aborted(use_helper: bool) -> None:
     conn = await serve(app)  # the disconnect after the response is not a cancellation
     await asyncio.sleep(0.01)
     assert engine.abort_calls == []
-    assert [message["type"] for message in conn.sent] == [
-        "http.response.start",
-        "http.response.body",
-    ]
+    assert [m["type"] for m in conn.sent] == ["http.response.start", "http.response.body"]
 
 
 async def test_outside_a_request_it_is_a_pass_through() -> None:

@@ -24,7 +24,7 @@ from asgi_cancel import (
 )
 from asgi_cancel.types import ASGIApp, CancelledRequest, Message, Receive, Scope, Send
 
-from .helpers import WATCHDOG, QueueServer, call, until, with_watchdog
+from .helpers import WATCHDOG, QueueServer, receive_into, serving, until, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
@@ -46,12 +46,8 @@ def gone(code: int = 1001, reason: str = "") -> Message:
 
 @contextlib.asynccontextmanager
 async def session(app: ASGIApp, scope: Scope, server: QueueServer) -> AsyncIterator[None]:
-    """`app` serving `server`'s connection while the block runs; it must end within the
-    watchdog once the block is over."""
-    with anyio.fail_after(WATCHDOG):
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(call, app, scope, server.receive, server.send)
-            yield
+    async with serving(app, scope, server.receive, server.send):
+        yield
 
 
 def sent_types(server: QueueServer) -> list[str]:
@@ -61,6 +57,12 @@ def sent_types(server: QueueServer) -> list[str]:
 async def accept(receive: Receive, send: Send) -> None:
     assert (await receive())["type"] == "websocket.connect"
     await send({"type": "websocket.accept"})
+
+
+async def idle(scope: Scope, receive: Receive, send: Send) -> None:
+    """Accepts, then works until it is stopped."""
+    await accept(receive, send)
+    await anyio.sleep(30)
 
 
 # -- 20. the client leaves: the session's token, one cancellation --------------------------------
@@ -126,15 +128,14 @@ class Disconnected(RuntimeError):
 Disconnected.__module__ = "autobahn.exception"
 
 
-@pytest.mark.parametrize(
-    ("error", "gone"),
-    [
-        (ConnectionResetError("the client has gone"), True),  # uvicorn's ClientDisconnected
-        (Disconnected("Attempt to send on a closed protocol"), True),  # daphne's
-        (RuntimeError("Unexpected ASGI message 'websocket.send'"), False),  # the app's mistake
-    ],
-    ids=["OSError", "daphne", "other"],
-)
+SEND_ERRORS = {
+    "OSError": (ConnectionResetError("the client has gone"), True),  # uvicorn's ClientDisconnected
+    "daphne": (Disconnected("Attempt to send on a closed protocol"), True),
+    "other": (RuntimeError("Unexpected ASGI message 'websocket.send'"), False),  # the app's own
+}
+
+
+@pytest.mark.parametrize(("error", "gone"), SEND_ERRORS.values(), ids=SEND_ERRORS)
 async def test_a_send_that_fails_before_the_disconnect_still_fires_the_token(
     error: Exception, gone: bool
 ) -> None:
@@ -232,7 +233,7 @@ async def test_the_disconnect_is_replayed_to_every_caller_as_a_fresh_message() -
         await accept(receive, send)
         async with anyio.create_task_group() as readers:
             for _ in range(2):
-                readers.start_soon(lambda: _append(seen, receive))
+                readers.start_soon(receive_into, seen, receive)
         seen[0]["code"] = 0  # an app that changes its message changes nothing for others
         seen.append(await receive())
 
@@ -244,10 +245,6 @@ async def test_the_disconnect_is_replayed_to_every_caller_as_a_fresh_message() -
     assert [message["code"] for message in seen] == [0, 4001, 4001]
     assert all(message["reason"] == "bye" for message in seen)
     assert server.receive_calls == 2  # the server's receive() is never called again after it
-
-
-async def _append(seen: list[Message], receive: Receive) -> None:
-    seen.append(await receive())
 
 
 # -- 22. an app that listens itself --------------------------------------------------------------
@@ -301,18 +298,11 @@ async def test_a_session_cancelled_by_id_is_closed_with_4499() -> None:
 
 
 async def test_a_session_past_its_deadline_is_closed_with_4504() -> None:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await accept(receive, send)
-        await anyio.sleep(30)
-
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, session_timeout=0.05, timeout=0.001)
+    middleware = CancelOnDisconnectMiddleware(idle, session_timeout=0.05, timeout=0.001)
     await with_watchdog(middleware(ws_scope(), server.receive, server.send))
-    assert server.sent[-1] == {
-        "type": "websocket.close",
-        "code": 4504,
-        "reason": "deadline exceeded",
-    }
+    closed = {"type": "websocket.close", "code": 4504, "reason": "deadline exceeded"}
+    assert server.sent[-1] == closed
 
 
 @pytest.mark.parametrize("denial", [False, True], ids=["close", "denial response"])
@@ -456,12 +446,8 @@ async def test_a_cancelled_session_is_logged_and_counted_with_its_phase_and_code
 
     registry = CollectorRegistry()
 
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await accept(receive, send)
-        await anyio.sleep(30)
-
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, on_cancelled=CancelMetrics(registry=registry))
+    middleware = CancelOnDisconnectMiddleware(idle, on_cancelled=CancelMetrics(registry=registry))
     with caplog.at_level("INFO", logger="asgi_cancel"):
         async with session(middleware, ws_scope(), server):
             await until(lambda: server.receive_calls >= 2)
