@@ -149,10 +149,9 @@ class _Library:
     ) -> tuple[set[concurrent.futures.Future[bool]], set[concurrent.futures.Future[bool]]]:
         handed = list(futures)
         wrapped = [asyncio.wrap_future(future) for future in handed]
+        # The wrappers still pending are left alone: cancelling one would cancel the other
+        # loop's work (its stop, still to run) with it.
         done, _ = await asyncio.wait(wrapped, timeout=seconds)
-        for future in wrapped:
-            if future not in done:
-                future.cancel()  # the wrapper only: the work itself still runs
         finished = {
             original for original, mine in zip(handed, wrapped, strict=True) if mine in done
         }

@@ -8,6 +8,7 @@ blocks on it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,6 +88,19 @@ async def test_cancel_on_an_event_loop_thread_does_not_wait_for_another_loop() -
         assert remote.registry.cancel("remote") is True  # handed over: counted, not waited for
         assert remote.events == ["remote started"]
     assert remote.events == ["remote started", "remote cancelled"]
+
+
+async def test_acancel_that_stops_waiting_for_a_blocked_loop_still_stops_the_request(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The wait is bounded; the stop handed to the other loop is not withdrawn with it."""
+    monkeypatch.setattr(_registry, "THREAD_TIMEOUT", 0.05)
+    with remote_request() as remote:
+        remote.block(0.5)
+        assert await remote.registry.acancel("remote") is True  # pending: counted
+        await anyio.sleep(0.05)  # this loop runs what giving up the wait scheduled
+    assert remote.events == ["remote started", "remote cancelled"]
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
 
 
 @pytest.mark.parametrize("path", ["/caf%C3%A9", "/" + "x" * 201, "/a%20b"])
