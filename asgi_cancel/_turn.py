@@ -114,7 +114,12 @@ class _Turn:
         scope = self.cancel_scope
         if not scope.cancel_called:
             scope.fire(reason)
-            scope.cancel_app()
+            if self.own.in_app_task():
+                # From the turn's own code: it lands at the turn's next await, or nowhere if the
+                # turn is left first (asyncio could not take it back before Python 3.13).
+                self.own.after_shield(scope.deliver)
+            else:
+                scope.cancel_app()
 
     def request_cancelled(self) -> None:
         # The request's token fired: the turn's does too. Its task is cancelled here only if

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pytest
 
@@ -398,6 +399,32 @@ async def test_a_worker_thread_that_raises_at_the_turns_cancel_ends_only_the_tur
         running[0].cancel()
         await until(lambda: bool(events))
     assert events == ["after the turn"]
+    assert sent_types(server) == ["websocket.accept", "websocket.close"]
+
+
+@pytest.mark.parametrize("then", ["leaves", "awaits"])
+async def test_a_turn_cancelled_by_its_own_code_ends_there_and_only_there(then: str) -> None:
+    """The turn's own code cancels it (it read a `response.cancel` itself): the cancellation
+    lands at the turn's next await, or nowhere if the block is left first; never after it."""
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        current = turn()
+        with current:
+            await anyio.lowlevel.checkpoint()
+            current.cancel()
+            if then == "awaits":
+                await anyio.sleep(30)
+        events.append("after the turn")
+        await anyio.sleep(0.01)
+        events.append("session goes on")
+        await send({"type": "websocket.close", "code": 1000})
+
+    server = QueueServer(CONNECT)
+    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+        await until(lambda: "session goes on" in events)
+    assert events == ["after the turn", "session goes on"]
     assert sent_types(server) == ["websocket.accept", "websocket.close"]
 
 
