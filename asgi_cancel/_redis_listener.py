@@ -88,7 +88,7 @@ class Listener:
             if message is None:
                 continue
             if message["type"] == "message":
-                await self.deliver(message.get("data"))
+                await self._deliver(message.get("data"))
             elif message["type"] == "subscribe" and message["data"] == len(self.channels):
                 return  # every channel confirmed
 
@@ -108,7 +108,7 @@ class Listener:
             if message is not None:
                 unanswered = False  # anything heard: Redis is there
                 if message["type"] == "message":
-                    await self.deliver(message.get("data"))
+                    await self._deliver(message.get("data"))
             # Judged only after a read found nothing waiting: a loop blocked by the app longer
             # than health_timeout finds the answer in the socket, never a false outage.
             elif unanswered and now - pinged_at > self.health_timeout:
@@ -116,6 +116,14 @@ class Listener:
             if now - pinged_at >= every and not unanswered:
                 await pubsub.ping()
                 pinged_at, unanswered = loop.time(), True
+
+    async def _deliver(self, data: object) -> None:
+        # One message that fails (a bug, or one crafted to) costs that message, not the
+        # connection and what is queued behind it.
+        try:
+            await self.deliver(data)
+        except Exception:
+            logger.exception("a broker message could not be handled; skipped")
 
     def _why(self, exc: Exception) -> str:
         if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
