@@ -3,12 +3,14 @@
 The request id and the remaining budget go only to the hosts a binding was told to forward
 them to: never to a third-party API by default. They are set, not added: the gateway's own id
 and remaining budget win over whatever the app copied from its client's headers (a client must
-not lengthen the next hop's deadline).
+not lengthen the next hop's deadline). Every hop of a call is checked, redirects included: the
+HTTP clients copy a request's headers onto the request that follows its redirect, so the ones
+an earlier hop was given are taken back when the next host is not one to forward to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableMapping
 from urllib.parse import urlsplit
 
 from ._registry import header_name
@@ -73,6 +75,26 @@ class Forwarding:
         if self.timeout_header is not None and remaining is not None:
             headers.append((self.timeout_header, f"{int(remaining * 1000)}ms"))
         return headers
+
+    def apply(
+        self,
+        headers: MutableMapping[str, str],
+        earlier: Iterable[tuple[str, str]],
+        token: CancelToken,
+        scheme: str,
+        host: str,
+        port: int | None,
+    ) -> tuple[tuple[str, str], ...]:
+        """Set the headers on one hop of a call, after taking back those `earlier` hops set
+        (copied onto a redirect): a value the app set itself, not ours, is left. Returns what
+        this hop was given, for the next."""
+        for name, value in earlier:
+            if headers.get(name) == value:
+                del headers[name]
+        forwarded = tuple(self.headers(token, scheme, host, port))
+        for name, value in forwarded:
+            headers[name] = value
+        return forwarded
 
 
 def _host_and_port(entry: object) -> tuple[str, int | None]:

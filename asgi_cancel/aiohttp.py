@@ -15,10 +15,10 @@ spawned is stopped at once: waiting for its response, that task's call is cancel
 its response is closed (its reader gets `aiohttp.ClientConnectionError`). A call made in the
 request's own task is stopped by the middleware's own cancellation, and its response closed at
 the request's end at the latest. Either way the connection closes, and the next hop's own
-asgi-cancel sees its client leave. The request id and the remaining
-deadline go to the hosts in `forward_to` only. Outside a request nothing changes. It is
-aiohttp's own extension point (a `TraceConfig`): nothing is patched. Needs the `aiohttp` extra
-(`pip install 'asgi-cancel[aiohttp]'`).
+asgi-cancel sees its client leave. The request id and the remaining deadline go to the hosts
+in `forward_to` only, on every hop: a redirect to another host does not carry them. Outside a
+request nothing changes. It is aiohttp's own extension point (a `TraceConfig`): nothing is
+patched. Needs the `aiohttp` extra (`pip install 'asgi-cancel[aiohttp]'`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from ._extras import missing_extra
 
 try:
     import aiohttp
+    from aiohttp import hdrs
+    from yarl import URL
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
     raise missing_extra("aiohttp", exc) from exc
 
@@ -76,18 +78,33 @@ def cancel_trace_config(
         session: aiohttp.ClientSession, context: SimpleNamespace, params: Any
     ) -> None:
         context.unregister = None
+        context.forwarded = ()
         token = find_token()
         if token is None:
             return
         if token.should_stop:
             raise UpstreamCancelled(f"request cancelled: {token.reason}")
         url = params.url
-        for name, value in forwarding.headers(token, url.scheme, url.host or "", url.port):
-            params.headers[name] = value
+        context.forwarded = forwarding.apply(
+            params.headers, (), token, url.scheme, url.host or "", url.port
+        )
         task = asyncio.current_task()
         if task is not None and not in_request_task():
             # A task the app spawned: only this binding can stop its call.
             context.unregister = token.on_cancel(lambda: _cancel_call(token, task))
+
+    async def on_request_redirect(
+        session: aiohttp.ClientSession, context: SimpleNamespace, params: Any
+    ) -> None:
+        # aiohttp sends every hop of a call with the headers `on_request_start` saw: the ones
+        # set there are taken back here, unless the redirect goes to a host to forward to.
+        token = find_token()
+        if token is None:
+            return
+        url = _redirect_url(params)
+        context.forwarded = forwarding.apply(
+            params.headers, context.forwarded, token, url.scheme, url.host or "", url.port
+        )
 
     async def on_request_end(
         session: aiohttp.ClientSession, context: SimpleNamespace, params: Any
@@ -112,9 +129,21 @@ def cancel_trace_config(
         _forget(context)
 
     config.on_request_start.append(on_request_start)
+    config.on_request_redirect.append(on_request_redirect)
     config.on_request_end.append(on_request_end)
     config.on_request_exception.append(on_request_exception)
     return config
+
+
+def _redirect_url(params: aiohttp.TraceRequestRedirectParams) -> URL:
+    """Where aiohttp goes after this redirect (an empty URL if it cannot tell: ours are taken
+    back; aiohttp then goes nowhere either)."""
+    headers = params.response.headers
+    location = headers.get(hdrs.LOCATION) or headers.get(hdrs.URI)
+    try:
+        return URL() if location is None else params.url.join(URL(location))
+    except ValueError:
+        return URL()
 
 
 def _cancel_call(token: CancelToken, task: asyncio.Task[Any]) -> None:

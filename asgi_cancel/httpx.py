@@ -12,8 +12,9 @@ is bound to that request's token: when it should stop (`token.should_stop`: clie
 cancelled by id, deadline passed; never inside `shield()` or a detached request), the upstream
 request is closed at once, streaming or not, so the next hop's own asgi-cancel sees its client
 (us) disconnect and stops its work. The request id and the remaining deadline are forwarded as
-headers to the hosts in `forward_to` only. Outside a request the transport is a plain
-pass-through. Needs the `httpx` extra (`pip install 'asgi-cancel[httpx]'`).
+headers to the hosts in `forward_to` only, on every hop: a redirect to another host does not
+carry them. Outside a request the transport is a plain pass-through. Needs the `httpx` extra
+(`pip install 'asgi-cancel[httpx]'`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from ._forwarding import Forwarding, ForwardTo
 from ._token import CancelToken, find_token
 
 __all__ = ["CancelTransport", "UpstreamCancelled"]
+
+_FORWARDED = "asgi_cancel.forwarded"  # a request extension: the headers this hop was given
 
 
 class UpstreamCancelled(httpx.TransportError, asyncio.CancelledError):
@@ -89,9 +92,18 @@ class CancelTransport(httpx.AsyncBaseTransport):
             return await self.transport.handle_async_request(request)
         if token.should_stop:
             raise UpstreamCancelled(f"request cancelled: {token.reason}", request=request)
+        # httpx copies a request's headers and extensions onto the request that follows its
+        # redirect: what this hop was given is noted in the extensions, to be taken back
+        # from the next hop if it goes to another host.
         url = request.url
-        for name, value in self.forwarding.headers(token, url.scheme, url.host, url.port):
-            request.headers[name] = value
+        request.extensions[_FORWARDED] = self.forwarding.apply(
+            request.headers,
+            request.extensions.get(_FORWARDED, ()),
+            token,
+            url.scheme,
+            url.host,
+            url.port,
+        )
         with anyio.CancelScope() as scope:
             unregister = token.on_cancel(lambda: scope.cancel() if token.should_stop else None)
             try:

@@ -23,10 +23,12 @@ pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyn
 
 
 class Upstream:
-    """Answers after `delay` s (`/slow`), or streams a chunk every 10 ms (`/stream`)."""
+    """Answers after `delay` s (`/slow`), or streams a chunk every 10 ms (`/stream`), or
+    redirects to `redirect_to` if set."""
 
     def __init__(self, delay: float = 30.0) -> None:
         self.delay = delay
+        self.redirect_to: str | None = None
         self.closed = asyncio.Event()
         self.heads: list[str] = []
         self.port = 0
@@ -44,7 +46,12 @@ class Upstream:
         head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
         self.heads.append(head)
         try:
-            if " /stream " in head:
+            if self.redirect_to is not None:
+                location = self.redirect_to.encode()
+                writer.write(b"HTTP/1.1 302 Found\r\nLocation: %s\r\n" % location)
+                writer.write(b"Content-Length: 0\r\n\r\n")
+                await writer.drain()
+            elif " /stream " in head:
                 writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
                 for _ in range(3000):
                     writer.write(b"6\r\nchunk\n\r\n")
@@ -174,6 +181,30 @@ async def test_the_id_and_budget_go_to_the_hosts_configured_and_win(
             await call_once(upstream)
     assert upstream.header("x-request-id") == ("fw" if configured else None)
     budget = upstream.header("x-request-timeout")
+    assert (budget is not None) is configured
+    assert budget is None or 19000 < int(budget.removesuffix("ms")) <= 20000
+
+
+@pytest.mark.parametrize(
+    ("configured", "copied"),
+    [(True, None), (False, None), (False, {"X-Request-Id": "client-chosen"})],
+    ids=["to-a-host-configured", "away-to-another-host", "away-over-the-apps-own"],
+)
+async def test_a_redirect_carries_the_id_and_budget_to_the_hosts_configured_only(
+    anyio_backend: str, configured: bool, copied: dict[str, str] | None
+) -> None:
+    """aiohttp sends every hop of a call with the same headers: the hop a redirect leads to
+    gets the id and budget only if its own host is configured."""
+    async with Upstream(delay=0) as first, Upstream(delay=0) as then:
+        first.redirect_to = f"http://127.0.0.1:{then.port}/slow"
+        hosts = [f"127.0.0.1:{first.port}"]
+        if configured:
+            hosts.append(f"127.0.0.1:{then.port}")
+        await call_once(first, copied, forward_to=hosts)
+    assert first.header("x-request-id") == "fw"
+    assert first.header("x-request-timeout") is not None
+    assert then.header("x-request-id") == ("fw" if configured else None)
+    budget = then.header("x-request-timeout")
     assert (budget is not None) is configured
     assert budget is None or 19000 < int(budget.removesuffix("ms")) <= 20000
 

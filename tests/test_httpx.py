@@ -20,16 +20,22 @@ pytestmark = pytest.mark.anyio
 
 
 class SlowUpstream(httpx.AsyncBaseTransport):
-    """Answers after `delay` seconds, with a body streamed one chunk every 10 ms."""
+    """Answers after `delay` seconds, with a body streamed one chunk every 10 ms (the first
+    request, with a redirect to `redirect_to` if given)."""
 
-    def __init__(self, delay: float = 0.0, chunks: int = 3000) -> None:
+    def __init__(
+        self, delay: float = 0.0, chunks: int = 3000, redirect_to: str | None = None
+    ) -> None:
         self.delay = delay
         self.chunks = chunks
+        self.redirect_to = redirect_to
         self.events: list[str] = []
         self.headers: list[httpx.Headers] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self.headers.append(request.headers)
+        if self.redirect_to is not None and len(self.headers) == 1:
+            return httpx.Response(302, headers={"location": self.redirect_to})
         try:
             await asyncio.sleep(self.delay)
         except asyncio.CancelledError:
@@ -111,13 +117,17 @@ async def test_an_upstream_call_is_cancelled_when_the_token_fires(stream: bool) 
 
 
 async def forwarded_headers(
-    transport: CancelTransport, url: str, copied: dict[str, str] | None = None
-) -> httpx.Headers:
+    transport: CancelTransport,
+    url: str,
+    copied: dict[str, str] | None = None,
+    upstream: SlowUpstream | None = None,
+) -> list[httpx.Headers]:
     """The headers an upstream at `url` receives from a request with id `fw` and 20 s left,
-    whose app copies `copied` from its client onto the upstream call."""
-    upstream = SlowUpstream(chunks=2)
+    whose app copies `copied` from its client onto the upstream call: one per hop, redirects
+    followed."""
+    upstream = upstream or SlowUpstream(chunks=2)
     transport.transport = upstream
-    client = httpx.AsyncClient(transport=transport)
+    client = httpx.AsyncClient(transport=transport, follow_redirects=True)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         response = await client.get(url, headers={"x-other": "1", **(copied or {})})
@@ -131,7 +141,7 @@ async def forwarded_headers(
     await asyncio.wait_for(conn.run(middleware, scope_with_id("fw")), WATCHDOG)
     await client.aclose()
     assert conn.status == 204
-    return upstream.headers[0]
+    return upstream.headers
 
 
 def remaining_ms(headers: httpx.Headers) -> int:
@@ -163,11 +173,60 @@ FORWARDED: dict[str, tuple[ForwardTo, str, dict[str, str] | None, bool]] = {
 async def test_the_id_and_the_remaining_deadline_go_to_the_hosts_configured_only(
     forward_to: ForwardTo, url: str, copied: dict[str, str] | None, forwarded: bool
 ) -> None:
-    headers = await forwarded_headers(CancelTransport(forward_to=forward_to), url, copied)
+    [headers] = await forwarded_headers(CancelTransport(forward_to=forward_to), url, copied)
     assert headers["x-other"] == "1"
     assert headers.get_list("x-request-id") == (["fw"] if forwarded else [])
     assert len(headers.get_list("x-request-timeout")) == forwarded
     assert not forwarded or 19000 < remaining_ms(headers) <= 20000
+
+
+REDIRECTS: dict[str, tuple[ForwardTo, str, str, dict[str, str] | None, list[str | None]]] = {
+    # forward_to, the call, where its answer redirects, what the app copied: each hop's id
+    "away-to-another-host": (["up"], "http://up/", "http://api.example.com/", None, ["fw", None]),
+    "away-over-the-apps-own": (
+        ["up"],
+        "http://up/",
+        "http://api.example.com/",
+        COPIED,
+        ["fw", None],
+    ),
+    "to-a-host-configured": (["up", "b:8000"], "http://up/", "http://b:8000/", None, ["fw", "fw"]),
+    "within-the-host": (["up"], "http://up/", "/next", None, ["fw", "fw"]),
+    # Not ours to take away: the app's own headers to a host not configured, as without us.
+    "the-apps-own-elsewhere": (
+        ["up"],
+        "http://a.example.com/",
+        "http://api.example.com/",
+        COPIED,
+        ["client-chosen", "client-chosen"],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("forward_to", "url", "location", "copied", "ids"), REDIRECTS.values(), ids=REDIRECTS
+)
+async def test_a_redirect_carries_the_id_and_the_deadline_to_the_hosts_configured_only(
+    forward_to: ForwardTo,
+    url: str,
+    location: str,
+    copied: dict[str, str] | None,
+    ids: list[str | None],
+) -> None:
+    """httpx copies a request's headers onto the one that follows its redirect: each hop
+    gets them only if its own host is configured, with the deadline that remains then."""
+    hops = await forwarded_headers(
+        CancelTransport(forward_to=forward_to),
+        url,
+        copied,
+        SlowUpstream(chunks=2, redirect_to=location),
+    )
+    assert [headers.get("x-request-id") for headers in hops] == ids
+    for headers, request_id in zip(hops, ids, strict=True):
+        if request_id == "fw":
+            assert 19000 < remaining_ms(headers) <= 20000
+        else:  # none of ours: the app's own if any
+            assert headers.get("x-request-timeout") == (request_id and COPIED["x-request-timeout"])
 
 
 NOT_HOSTS = ["up", ["http://up"], ["up/path"], [""], [42], ["user@up"], ["up:99999"]]
