@@ -74,6 +74,7 @@ class Cycle(Generic[L]):
         "bound",
         "buffer",
         "buffered",
+        "delivered",
         "disconnect",
         "first_sent",
         "holding",
@@ -95,11 +96,12 @@ class Cycle(Generic[L]):
 
     # Set where they are first needed, not here (a request that never waits pays for what
     # `__init__` sets, nothing more): `started_at` once the app first waited or its lane was
-    # made, `last_sent` by `send()`, the watcher's by `watch()`,
-    # `stopped` by `_stop()`. tests/test_cycle.py checks each is set before it is read.
+    # made, `last_sent` by `send()`, the watcher's by `watch()`, `stopped` and `delivered` by
+    # `_stop()`. tests/test_cycle.py checks each is set before it is read.
     app: Any  # what the app's call returned (its coroutine): set before the app runs
     started_at: float
     last_sent: Message
+    delivered: Message | None
     holding: bool
     buffered: int
     stopped: bool
@@ -347,9 +349,11 @@ class Cycle(Generic[L]):
         self.stopped = stopped  # by `stop()`: the client may be there still
         self.stopped_with = status
         self.target = self._drop  # the client is gone (or gets our answer): sends are dropped
+        started = self.first_sent is not None
+        # What the server got last: `send()` records the app's dropped messages too.
+        self.delivered = self.last_sent if started else None
         scope = self.cancel_scope
         scope.fire(reason)
-        started = self.first_sent is not None
         request = CancelledRequest(
             self.scope, reason, monotonic() - self.started_at, started, scope.add_usage()
         )

@@ -98,7 +98,9 @@ async def complete_stopped(cycle: Cycle[Any], receive: Receive, send: Send) -> N
                 cycle.scope, receive, send, status, cycle.cancel_scope.reason or "cancelled"
             )
             return
-        if not body_complete(cycle.last_sent) and await _cut(cycle, receive, send):
+        delivered = cycle.delivered
+        assert delivered is not None  # (a response started)
+        if not body_complete(delivered) and await _cut(cycle, receive, send):
             return
         await _end_started_response(cycle, send)
     except Exception:
@@ -124,7 +126,7 @@ async def _cut(cycle: Cycle[Any], receive: Receive, send: Send) -> bool:
 
 
 async def _end_started_response(cycle: Cycle[Any], send: Send) -> None:
-    first, last = cycle.first_sent, cycle.last_sent
+    first, last = cycle.first_sent, cycle.delivered
     assert first is not None
     assert last is not None
     if last["type"] == "http.response.trailers":

@@ -33,6 +33,27 @@ async def test_a_passed_deadline_answers_504_or_ends_a_started_stream_cleanly(st
         assert (conn.status, json.loads(conn.body)) == (504, {"error": "deadline exceeded"})
 
 
+async def test_a_stream_that_ends_itself_at_the_deadline_is_still_cut_visibly() -> None:
+    """An app that listens (Starlette's stream below spec 2.4) ends its own stream when the
+    deadline's disconnect reaches it: its closing messages are dropped like the rest, so the
+    client gets the SSE error event and the end from the middleware, never a silent close."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        assert (await receive())["type"] == "http.disconnect"  # the deadline
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    conn = await served(CancelOnDisconnectMiddleware(app, timeout=0.05))
+    assert conn.status == 200
+    assert conn.body.startswith(b"data: 1\n\nevent: error\n")
+    assert b"[DONE]" not in conn.body
+    assert conn.response_complete
+
+
 @pytest.mark.parametrize(
     ("configured", "header", "status", "app_runs"),
     [
