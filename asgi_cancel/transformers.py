@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
+from ._backend import running_library
 from ._threads import request_token, watch_unasked
 from ._token import CancelToken
 from ._validate import seconds
@@ -149,7 +150,8 @@ class Generation(Generic[_ResultT]):
     the request should stop (at the disconnect itself, without waiting for a token), or with
     the generation's exception. Either way it then waits for the thread at most `join_timeout`
     seconds: a generation that ignores the token is logged and left behind, never waited on
-    without a bound.
+    without a bound. Closed in an event loop's thread, it returns at once and a thread of its
+    own does that wait: the loop is never blocked on the generation.
     """
 
     def __init__(
@@ -229,7 +231,19 @@ class Generation(Generic[_ResultT]):
             if not ended and self.thread.is_alive() and not self.criteria.should_stop:
                 # The reader left early (closed): nobody reads what the thread would generate.
                 self.criteria.stop()
-            self.result(self.join_timeout, raising=False)
+            if running_library() is None:
+                self.result(self.join_timeout, raising=False)
+            else:
+                # Closed in an event loop's thread (Starlette's iterator wrapper, collected
+                # there after a disconnect): the join, up to a token or `join_timeout`, would
+                # stall every request of the loop. A thread of its own waits instead.
+                threading.Thread(
+                    target=self.result,
+                    args=(self.join_timeout,),
+                    kwargs={"raising": False},
+                    name="asgi-cancel-generate-join",
+                    daemon=True,
+                ).start()
         self._raise_error()
 
     def result(self, timeout: float | None = None, *, raising: bool = True) -> _ResultT | None:
