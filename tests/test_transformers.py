@@ -159,6 +159,20 @@ def test_a_fired_token_stops_every_row_at_once_only_through_the_criteria(criteri
     assert (token.usage.prompt_tokens, token.usage.completion_tokens) == (15, 3)
 
 
+def test_rows_given_are_counted_instead_of_the_rows_asked_about() -> None:
+    # A beam search of 3 asks about 6 candidates per token: 3 rows are computed.
+    token = CancelToken()
+    FakeModel(step=0).generate(
+        max_new_tokens=4, stopping_criteria=[CancelCriteria(token, rows=3)], rows=6
+    )
+    assert token.usage is not None
+    assert (token.usage.prompt_tokens, token.usage.completion_tokens) == (15, 12)
+    bad: tuple[Any, ...] = (0, True, 2.0)
+    for rows in bad:
+        with pytest.raises(ValueError, match="rows must be None or an int > 0"):
+            CancelCriteria(token, rows=rows)
+
+
 def test_finished_generation_is_never_marked_stopped() -> None:
     model = FakeModel(step=0)
     token, fire = fired_token()
