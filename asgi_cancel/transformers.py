@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator
 from time import monotonic
 from typing import Any, Generic, Protocol, TypeVar
 
+from ._backend import running_library
 from ._threads import request_token, watch_unasked
 from ._token import CancelToken
-from ._validate import seconds
+from ._validate import describe, seconds
 
 __all__ = [
     "STILL_RUNNING_AFTER",
@@ -59,7 +60,10 @@ class CancelCriteria:
     completion tokens, and those generated after the cancellation began), which the cancel log
     line and `CancelMetrics` report. It counts rows times positions, as the engine computes
     them: every sequence of a batch, every beam, padding included. For an encoder-decoder model
-    the prompt is the decoder's start.
+    the prompt is the decoder's start. The rows are those it is asked about, unless `rows` says
+    otherwise: a beam search (transformers 4.50 on) asks about more candidates than the beams it
+    computes (twice as many, or more with several EOS tokens), so give it the batch size times
+    `num_beams` there.
 
     Make one per `generate()` call (it counts from that call's first token). Made outside a
     request (no token), it warns (`RuntimeWarning`, at the line that made it) and never stops
@@ -72,14 +76,20 @@ class CancelCriteria:
 
     Args:
         token: the request's token; by default `current_token()` of the context it is made in.
+        rows: the rows `generate()` computes per token, when they are not the rows it asks
+            about (a beam search: batch size times `num_beams`); None: those it asks about.
 
     Raises:
         TypeError: `token` is neither a `CancelToken` nor None.
+        ValueError: `rows` is neither None nor an int > 0.
     """
 
-    def __init__(self, token: CancelToken | None = None) -> None:
+    def __init__(self, token: CancelToken | None = None, *, rows: int | None = None) -> None:
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"rows must be None or an int > 0, got {describe(rows)}")
         hint = "in a threading.Thread or run_in_executor? make it in the endpoint and hand it over"
         self.token = request_token(token, "CancelCriteria()", hint)
+        self.rows = rows  # counted per token instead of the rows asked about, if given
         #: Whether this criterion stopped a generation (the request should stop). A generation
         #: that ended by itself (`max_new_tokens`, EOS) before that is never marked.
         self.stopped = False
@@ -111,10 +121,11 @@ class CancelCriteria:
         rows, length = input_ids.shape[0], input_ids.shape[-1]
         token = self.token
         if token is not None:
+            computed = self.rows or rows
             if self._length is None:  # the first call: the prompt and the first new token
-                token.add_usage(prompt_tokens=rows * (length - 1), completion_tokens=rows)
+                token.add_usage(prompt_tokens=computed * (length - 1), completion_tokens=computed)
             elif length > self._length:
-                token.add_usage(completion_tokens=rows * (length - self._length))
+                token.add_usage(completion_tokens=computed * (length - self._length))
         self._length = length
         stop = self.should_stop
         if stop and not self.stopped:
@@ -149,7 +160,8 @@ class Generation(Generic[_ResultT]):
     the request should stop (at the disconnect itself, without waiting for a token), or with
     the generation's exception. Either way it then waits for the thread at most `join_timeout`
     seconds: a generation that ignores the token is logged and left behind, never waited on
-    without a bound.
+    without a bound. Closed in an event loop's thread, it returns at once and a thread of its
+    own does that wait: the loop is never blocked on the generation.
     """
 
     def __init__(
@@ -229,7 +241,19 @@ class Generation(Generic[_ResultT]):
             if not ended and self.thread.is_alive() and not self.criteria.should_stop:
                 # The reader left early (closed): nobody reads what the thread would generate.
                 self.criteria.stop()
-            self.result(self.join_timeout, raising=False)
+            if running_library() is None:
+                self.result(self.join_timeout, raising=False)
+            else:
+                # Closed in an event loop's thread (Starlette's iterator wrapper, collected
+                # there after a disconnect): the join, up to a token or `join_timeout`, would
+                # stall every request of the loop. A thread of its own waits instead.
+                threading.Thread(
+                    target=self.result,
+                    args=(self.join_timeout,),
+                    kwargs={"raising": False},
+                    name="asgi-cancel-generate-join",
+                    daemon=True,
+                ).start()
         self._raise_error()
 
     def result(self, timeout: float | None = None, *, raising: bool = True) -> _ResultT | None:

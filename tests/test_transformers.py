@@ -13,8 +13,8 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, cast
 
 import pytest
 
@@ -157,6 +157,20 @@ def test_a_fired_token_stops_every_row_at_once_only_through_the_criteria(criteri
     assert len(model.made) == 1
     assert token.usage is not None
     assert (token.usage.prompt_tokens, token.usage.completion_tokens) == (15, 3)
+
+
+def test_rows_given_are_counted_instead_of_the_rows_asked_about() -> None:
+    # A beam search of 3 asks about 6 candidates per token: 3 rows are computed.
+    token = CancelToken()
+    FakeModel(step=0).generate(
+        max_new_tokens=4, stopping_criteria=[CancelCriteria(token, rows=3)], rows=6
+    )
+    assert token.usage is not None
+    assert (token.usage.prompt_tokens, token.usage.completion_tokens) == (15, 12)
+    bad: tuple[Any, ...] = (0, True, 2.0)
+    for rows in bad:
+        with pytest.raises(ValueError, match="rows must be None or an int > 0"):
+            CancelCriteria(token, rows=rows)
 
 
 def test_finished_generation_is_never_marked_stopped() -> None:
@@ -411,6 +425,40 @@ def test_reader_that_leaves_early_stops_the_generation() -> None:
     assert model.ended.wait(WATCHDOG)
     assert len(model.made) < 50
     assert generation.stopped
+
+
+@pytest.mark.parametrize("where", ["worker-thread", "event-loop"])
+def test_closing_the_reader_in_an_event_loop_never_waits_for_the_thread(where: str) -> None:
+    # Starlette's iterator wrapper, collected in the loop's thread after a disconnect, closes
+    # the reader there: a join would stall the loop until the next token. A worker thread that
+    # closes it still waits for the generation, as documented.
+    model = FakeModel(step=0.5)
+    generation = generate_in_thread(
+        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=5000
+    )
+    reader = cast(Generator[str, None, None], iter(generation))
+    assert next(reader) == "t1 "
+    waited: list[float] = []
+
+    def close() -> None:
+        started = time.monotonic()
+        reader.close()
+        waited.append(time.monotonic() - started)
+
+    async def in_the_loop() -> None:
+        close()
+
+    if where == "event-loop":
+        asyncio.run(asyncio.wait_for(in_the_loop(), WATCHDOG))
+        assert waited[0] < 0.25  # the next token is ~0.5 s away
+        assert generation.thread.is_alive()
+    else:
+        close()
+        assert not generation.thread.is_alive()
+    assert model.ended.wait(WATCHDOG)
+    assert len(model.made) == 2  # stopped at the token after the close
+    assert generation.stopped
+    assert not generation.left_running
 
 
 def test_without_a_streamer_the_criteria_given_are_kept_and_there_is_nothing_to_read() -> None:

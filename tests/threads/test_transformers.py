@@ -165,3 +165,37 @@ def test_criteria_stops_a_real_batch_and_beam_search(server: Server, shape: str)
     assert criteria.stopped
     assert token.usage is not None
     assert token.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("num_beams", [1, 3], ids=["greedy", "beams"])
+def test_usage_counts_the_rows_the_model_computes(server: Server, num_beams: int) -> None:
+    # The judge is the model's forward passes. A beam search asks its criteria about twice its
+    # beams (transformers 4.50 on: the candidates it picks from), so `rows=` says what it computes.
+    engine = server.engine
+    inputs = engine.inputs("a prompt of a few tokens")
+    prompt = inputs["input_ids"].shape[-1]
+    forwarded: list[tuple[int, int]] = []
+
+    def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        forwarded.append(tuple(kwargs["input_ids"].shape))
+
+    token = CancelToken()
+    criteria = CancelCriteria(token, rows=num_beams if num_beams > 1 else None)
+    with engine.lock:
+        handle = engine.model.register_forward_hook(hook, with_kwargs=True)
+        try:
+            engine.model.generate(
+                **inputs,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                num_beams=num_beams,
+                do_sample=False,
+                stopping_criteria=[criteria],
+            )
+        finally:
+            handle.remove()
+    assert forwarded[0] == (num_beams, prompt)  # the prefill: every beam
+    assert forwarded[1:] == [(num_beams, 1)] * 5  # a token each; the sixth is never forwarded
+    assert token.usage is not None
+    assert token.usage.prompt_tokens == num_beams * prompt
+    assert token.usage.completion_tokens == num_beams * 6
