@@ -48,6 +48,9 @@ __all__ = [
 #: logged at WARNING. Read when the criterion is made.
 STILL_RUNNING_AFTER = 2.0
 
+# How far above the best other token a stopping `CancelLogitsProcessor` puts end-of-sequence.
+_EOS_LEAD = 1e4
+
 _ChunkT = TypeVar("_ChunkT")
 
 
@@ -163,33 +166,60 @@ class CancelLogitsProcessor(CancelCriterion):
 
     For `Llama.create_chat_completion`, which takes `logits_processor=` but no
     `stopping_criteria=` (llama-cpp-python 0.3.36); it works for `create_completion` too.
-    Called before each token is sampled, it counts as `CancelCriterion` does; once the request
-    should stop, it leaves end-of-sequence the only token that can be sampled, so the
-    generation ends at that token, `finish_reason="stop"`.
+    Called before each token is sampled, it counts as `CancelCriterion` does. Once the request
+    should stop, it puts end-of-sequence above every other token, so the generation ends at
+    that token, `finish_reason="stop"`.
+
+    Unless a grammar forbids end-of-sequence there (`grammar=`, a JSON `response_format`,
+    tools: an object not closed yet). llama-cpp-python applies the grammar after its logits
+    processors, so the others keep their order and the grammar picks one of its tokens as it
+    would have; leaving it no token of its own aborted the whole process inside llama.cpp.
+    Given `llm`, the processor also replaces that generation's sampler (llama-cpp-python's
+    private `Llama._sampler`, tested with 0.3.36) by one that picks end-of-sequence, without
+    the grammar: the generation ends at the next token. Without `llm`, it ends where the
+    grammar first allows it to.
 
     Args:
         eos_token: the model's end-of-sequence token (`llm.token_eos()`).
         token: the request's token; by default the current one.
+        llm: the `llama_cpp.Llama` that generates (`logits_processor()` passes it).
 
     Raises:
         TypeError: `eos_token` is not an integer, or `token` neither a `CancelToken` nor None.
         ValueError: `eos_token` is negative.
     """
 
-    __slots__ = ("eos_token",)
+    __slots__ = ("eos_token", "llm")
 
-    def __init__(self, eos_token: int, token: CancelToken | None = None) -> None:
+    def __init__(
+        self, eos_token: int, token: CancelToken | None = None, *, llm: Any = None
+    ) -> None:
         eos = operator.index(eos_token)  # TypeError for what is not an integer
         if eos < 0:
             raise ValueError(f"eos_token must be a token id >= 0, got {eos_token!r}")
         super().__init__(token)
         self.eos_token = eos
+        self.llm = llm
 
     def __call__(self, input_ids: Sized, scores: Any) -> Any:
         if self._step(len(input_ids)):
-            scores.fill(float("-inf"))
-            scores[self.eos_token] = 0.0
+            # Above the others by far more than any two logits differ: sampled whatever the
+            # temperature, unless a grammar removes it.
+            scores[self.eos_token] = scores.max() + _EOS_LEAD
+            if self.llm is not None:
+                self._end_at_next_token(self.llm)
         return scores
+
+    def _end_at_next_token(self, llm: Any) -> None:
+        # The processor runs inside the sampler it replaces: llama-cpp-python holds that one
+        # until this token is sampled, then asks `llm._sampler` for the next one. The new one
+        # has no processor, so this is done once per generation; the next call makes its own.
+        from llama_cpp._internals import LlamaSampler
+
+        ending = LlamaSampler()
+        ending.add_logit_bias(llm.n_vocab(), {self.eos_token: float("inf")})
+        ending.add_greedy()
+        llm._sampler = ending
 
 
 def stopping_criteria(
@@ -231,7 +261,8 @@ def logits_processor(
     request's context and hand the list to the thread; one list per call.
 
     Args:
-        llm: the `llama_cpp.Llama` that generates (for its end-of-sequence token).
+        llm: the `llama_cpp.Llama` that generates (for its end-of-sequence token, and its
+            sampler when a grammar forbids that token at the cancel).
         *processors: the request's own processors, kept before the cancel processor (one that
             forbids end-of-sequence, `min_tokens`, is overridden once the request stops).
         token: the request's token; by default the current one.
@@ -247,7 +278,7 @@ def logits_processor(
         from llama_cpp import LogitsProcessorList
     except ImportError as error:
         raise _missing(error) from error
-    processor = CancelLogitsProcessor(int(llm.token_eos()), token)
+    processor = CancelLogitsProcessor(int(llm.token_eos()), token, llm=llm)
     made: LogitsProcessorList = LogitsProcessorList([*processors, processor])
     return made
 

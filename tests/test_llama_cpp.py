@@ -166,8 +166,8 @@ def test_a_thread_that_ignores_the_token_is_reported_not_waited_for(
 class Scores(list[float]):
     """What a logits processor is given (llama-cpp-python: a numpy array)."""
 
-    def fill(self, value: float) -> None:
-        self[:] = [value] * len(self)
+    def max(self) -> float:
+        return max(self)
 
 
 def process(processor: Callable[[list[int], Scores], Scores], tokens: int) -> None:
@@ -327,14 +327,15 @@ def test_stopping_criteria_without_llama_cpp_names_the_extra() -> None:
         asgi_cancel.llama_cpp.server_app()
 
 
-def test_the_logits_processor_leaves_only_end_of_sequence_once_cancelled() -> None:
+def test_the_logits_processor_puts_end_of_sequence_first_once_cancelled() -> None:
+    # Above the others, which keep their logits: a grammar applied after the processors
+    # (llama-cpp-python's order) that forbids end-of-sequence still has its own tokens.
     token = CancelToken()
     processor = asgi_cancel.llama_cpp.CancelLogitsProcessor(2, token)
     ids = list(range(PROMPT))
     assert processor(ids, Scores([0.5, 1.0, -1.0, 3.0])) == [0.5, 1.0, -1.0, 3.0]
     token.fire("client disconnected")
-    inf = float("inf")
-    assert processor([*ids, 1], Scores([0.5, 1.0, -1.0, 3.0])) == [-inf, -inf, 0.0, -inf]
+    assert processor([*ids, 1], Scores([0.5, 1.0, -1.0, 3.0])) == [0.5, 1.0, 3.0 + 1e4, 3.0]
     assert processor.stopped
     assert token.usage is not None
     assert (token.usage.prompt_tokens, token.usage.completion_tokens) == (PROMPT, 2)

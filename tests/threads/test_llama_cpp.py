@@ -19,6 +19,8 @@ import importlib.util
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -417,6 +419,32 @@ def test_outside_a_request_the_criteria_never_stop_a_generation(model: Path) -> 
     assert chat["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_grammar_that_forbids_the_end_still_stops_and_the_process_lives(
+    model: Path, kind: str
+) -> None:
+    # llama-cpp-python applies a grammar after the logits processors: the cancel must leave
+    # the grammar a token of its own (none aborted the process inside llama.cpp), then end.
+    # In a subprocess (`llama_grammar`), so such an abort fails this test, not the session.
+    def generate(cancel_at: int) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.threads.llama_grammar", str(model), kind, str(cancel_at)],
+            cwd=Path(__file__).parents[2],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+        return result
+
+    control = generate(cancel_at=0)
+    assert control["chunks"] > 40  # the grammar kept it open: no end-of-sequence allowed
+    cancelled = generate(cancel_at=5)
+    assert cancelled["finish"] == "stop"
+    assert cancelled["chunks"] <= 5 + 2  # the token in progress, then end-of-sequence
+
+
 SERVER_CASES = [("completion", False), ("completion", True), ("chat", False), ("chat", True)]
 SERVER_IDS = [f"{kind}-{'stream' if stream else 'whole'}" for kind, stream in SERVER_CASES]
 
@@ -439,6 +467,18 @@ def test_llama_cpp_server_stops_when_the_client_leaves(
     # Streams stop alone too: the server asks request.is_disconnected() after each chunk.
     assert figures["after_close"] <= AFTER_CLOSE_BOUND, figures
     assert figures["generated"] < MAX_TOKENS // 2, figures
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_llama_cpp_server_with_a_grammar_stops_and_lives(servers: ServerPool, kind: str) -> None:
+    # The grammar forbids end-of-sequence until its `}` (not written by the tiny model within
+    # LEAVE_AFTER tokens): the cancel lands mid-structure. An abort took the server down.
+    server = servers.get("server", "adapter")
+    body = completion_body(kind, MAX_TOKENS, False, "") | {"grammar": 'root ::= "{" [a-z ]* "}"'}
+    figures = measure(server, path_of("server", kind, ""), body)
+    assert figures["after_close"] <= AFTER_CLOSE_BOUND, figures
+    response = fetch_json(server, path_of("server", kind, ""), {**body, "max_tokens": 4})
+    assert response["usage"]["completion_tokens"] <= 4  # the same server, still serving
 
 
 def fetch_json(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
