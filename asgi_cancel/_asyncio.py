@@ -23,9 +23,10 @@ from time import monotonic
 from typing import Any, Protocol
 
 from ._asyncio_lane import NO_CONTEXT, AsyncioLane, awaited, current_task
-from ._cycle import FINISHED, Cycle, Options
+from ._cycle import Cycle
 from ._responses import COMPLETION_TIMEOUT, complete_stopped, logger
 from ._session import Session
+from ._states import FINISHED, Options
 from ._tracking import Tracking
 from .types import AnyASGIApp, Receive, Scope, Send
 

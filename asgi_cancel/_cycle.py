@@ -7,53 +7,38 @@ and stops the request through its `CancelScope`, both made by its backend on fir
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator
 from time import monotonic
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ._backend import Lane, Served
 from ._messages import DISCONNECT, announces_body, response_complete
 from ._report import report_cancelled
 from ._scope import CancelScope
 from ._servers import in_send
+from ._states import (
+    DISCONNECTED_STATUS,
+    FINISHED,
+    READING_BODY,
+    REASON,
+    RESPONSE_COMPLETE,
+    STOPPED,
+    WATCHING,
+    Options,
+    dropped,
+    dropped_send,
+    released,
+)
 from ._token import bind, unbind
-from .types import CancelledRequest, Message, OnCancelled, Receive, Scope, Send
+from .types import CancelledRequest, Message, Receive, Scope, Send
 
 logger = logging.getLogger("asgi_cancel")
-
-REASON = "client disconnected"
-# What the log line and the `on_cancelled` hook report for a client that left: nginx's
-# "client closed request" (nobody receives it; an outer middleware may).
-DISCONNECTED_STATUS = 499
 _MAKING = threading.Lock()
 
-
-class State(enum.IntEnum):
-    """Where a request is; what a disconnect means in each state is in the comments."""
-
-    READING_BODY = 0  # body messages still to come: a disconnect stops the request
-    WATCHING = 1  # body complete, response not: a disconnect stops it (or a listener reacts)
-    RESPONSE_COMPLETE = 2  # final response message handed to send: a disconnect is the end
-    STOPPED = 3  # the client left first, or the request was stopped: sends are dropped
-    FINISHED = 4  # the app returned: a late receive() gets a disconnect, a send is dropped
-
-
-READING_BODY, WATCHING, RESPONSE_COMPLETE, STOPPED, FINISHED = State
-
-
 L = TypeVar("L", bound=Lane)
-
-
-class Options(Protocol):
-    """What a cycle reads from its middleware (only when it needs it)."""
-
-    read_ahead: int
-    grace: float
-    on_cancelled: OnCancelled | None
 
 
 class Cycle(Generic[L]):
@@ -270,7 +255,7 @@ class Cycle(Generic[L]):
         scope = self._scope
         if scope is not None and scope.held and not scope.issued:
             return self.ensure_lane().checkpoint()
-        return _dropped_send()
+        return dropped_send()
 
     def wake(self) -> None:
         if self.lane is not None:
@@ -381,28 +366,10 @@ class Cycle(Generic[L]):
         self.state = FINISHED
         if self.disconnect is None:
             self.disconnect = DISCONNECT  # what a late receive() gets (a copy of)
-        self.target = _dropped
-        self.real_receive = self.real_send = self.server_send = _released
+        self.target = dropped
+        self.real_receive = self.real_send = self.server_send = released
         self.lane = None  # (cycle <-> lane: freed by reference counting)
         unbind(self.bound)
         scope = self._scope
         if scope is not None:
             scope.close()
-
-
-async def _dropped_send() -> None:
-    pass
-
-
-def _dropped(message: Message) -> Awaitable[None]:
-    # The client is gone. Dropping is what every server does, except hypercorn over HTTP/2
-    # after the TCP connection closed, where send() would hang forever.
-    return _dropped_send()
-
-
-async def _release(*_: object) -> Any:
-    raise RuntimeError("asgi_cancel: the server's receive/send was let go: the request is over")
-
-
-# What a finished cycle holds instead of the server's `receive` and `send` (never called).
-_released: Any = _release

@@ -6,15 +6,9 @@ import hmac
 import json
 from collections.abc import Callable
 
-from ._registry import (
-    CANCELLED,
-    ID_CHARACTERS,
-    MAX_ID_LENGTH,
-    CancelRegistry,
-    header_name,
-    valid_request_id,
-)
+from ._registry import CANCELLED, CancelRegistry
 from ._tracking import route_path
+from ._validate import ID_CHARACTERS, MAX_ID_LENGTH, header_name, valid_request_id
 from .types import ASGIApp, Receive, Scope, Send
 
 Authorize = Callable[[Scope], bool]

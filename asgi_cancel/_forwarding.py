@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, MutableMapping
 from urllib.parse import urlsplit
 
-from ._registry import header_name
 from ._token import CancelToken
+from ._validate import header_name
 
 __all__ = ["ForwardTo", "Forwarding"]
 

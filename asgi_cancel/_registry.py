@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import re
 import threading
 from collections.abc import Callable
 from time import monotonic
@@ -12,18 +11,14 @@ from typing import Protocol, cast
 
 from ._backend import library, running_library
 from ._token import current_request
-from ._validate import seconds
+from ._validate import header_name, seconds, valid_request_id
 
 __all__ = [
     "CANCELLED",
     "CANCELLED_STATUS",
-    "ID_CHARACTERS",
-    "MAX_ID_LENGTH",
     "Broker",
     "CancelRegistry",
     "Stoppable",
-    "header_name",
-    "valid_request_id",
 ]
 
 CANCELLED = "cancelled by id"
@@ -34,25 +29,6 @@ CANCELLED_STATUS = 499
 THREAD_TIMEOUT = 10.0
 # Cancels of ids that no request held, remembered at most (the oldest are forgotten first).
 MAX_REMEMBERED = 10_000
-# RFC 9110's token: what a header name may be made of.
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
-# A request id: 1 to 200 characters that are safe in a URL path, a header and a log line.
-MAX_ID_LENGTH = 200
-ID_CHARACTERS = "A-Z a-z 0-9 . _ ~ : + = @ -"
-_ID = re.compile(rf"[A-Za-z0-9._~:+=@-]{{1,{MAX_ID_LENGTH}}}", re.ASCII)
-
-
-def valid_request_id(value: str) -> bool:
-    """Whether `value` is an acceptable request id: 1 to `MAX_ID_LENGTH` of `ID_CHARACTERS`."""
-    return len(value) <= MAX_ID_LENGTH and _ID.fullmatch(value) is not None
-
-
-def header_name(option: str, value: object) -> bytes:
-    """`value` as a lowercase header name for the middleware's `option`; ValueError naming the
-    option if it is not one (RFC 9110: letters, digits and ``!#$%&'*+-.^_`|~``)."""
-    if not isinstance(value, str) or len(value) > 100 or _TOKEN.fullmatch(value) is None:
-        raise ValueError(f"{option} must be a header name such as 'x-request-id', got {value!r}")
-    return value.lower().encode("ascii")
 
 
 class Stoppable(Protocol):

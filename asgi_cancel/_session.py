@@ -19,10 +19,10 @@ from time import monotonic
 from typing import Any, Generic, TypeVar
 
 from ._backend import Lane, Served
-from ._cycle import DISCONNECTED_STATUS, REASON, Options
 from ._report import report_cancelled
 from ._responses import WEBSOCKET_CLOSE_CODES
 from ._scope import CancelScope
+from ._states import DISCONNECTED_STATUS, REASON, Options
 from ._token import bind, unbind
 from .types import CancelledRequest, Message, Receive, Scope, Send
 

@@ -15,18 +15,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING, Protocol
 
-from ._registry import (
-    CANCELLED,
-    CANCELLED_STATUS,
-    ID_CHARACTERS,
-    MAX_ID_LENGTH,
-    CancelRegistry,
-    header_name,
-    valid_request_id,
-)
+from ._registry import CANCELLED, CANCELLED_STATUS, CancelRegistry
 from ._report import escaped
 from ._responses import refuse
-from ._validate import seconds_or_none
+from ._validate import ID_CHARACTERS, MAX_ID_LENGTH, header_name, seconds_or_none, valid_request_id
 from .types import Message, Receive, Scope, Send
 
 if TYPE_CHECKING:

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 import trio
 
 from ._backend import Served
-from ._cycle import Cycle, Options
+from ._cycle import Cycle
 from ._responses import COMPLETION_TIMEOUT, complete_stopped, logger
 from ._session import Session
+from ._states import Options
 from ._tracking import DEADLINE_EXCEEDED, DEADLINE_STATUS, Tracking
 from ._watcher import watch_within
 from .types import AnyASGIApp, Receive, Scope, Send

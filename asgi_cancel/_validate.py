@@ -1,9 +1,18 @@
-"""The one check of an option given in seconds, and the one way a bad option's error reads:
+"""The checks of what users and clients hand the middleware: an option given in seconds, a
+header name, a request id. A bad option's error reads one way:
 `ValueError("<option> must be ..., got <value> (<type>)")`, raised at construction."""
 
 from __future__ import annotations
 
 import math
+import re
+
+# RFC 9110's token: what a header name may be made of.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
+# A request id: 1 to 200 characters that are safe in a URL path, a header and a log line.
+MAX_ID_LENGTH = 200
+ID_CHARACTERS = "A-Z a-z 0-9 . _ ~ : + = @ -"
+_ID = re.compile(rf"[A-Za-z0-9._~:+=@-]{{1,{MAX_ID_LENGTH}}}", re.ASCII)
 
 
 def describe(value: object) -> str:
@@ -46,3 +55,18 @@ def _wanted(positive: bool, below: float) -> str:
     if below != math.inf:
         bounds += f" and < {below:g}"
     return f"a finite number of seconds {bounds}"
+
+
+def header_name(option: str, value: object) -> bytes:
+    """`value` as a lowercase header name for the middleware's `option`; ValueError naming the
+    option if it is not one (RFC 9110: letters, digits and ``!#$%&'*+-.^_`|~``)."""
+    if not isinstance(value, str) or len(value) > 100 or _TOKEN.fullmatch(value) is None:
+        wanted = "a header name such as 'x-request-id'"
+        raise ValueError(f"{option} must be {wanted}, got {describe(value)}")
+    return value.lower().encode("ascii")
+
+
+def valid_request_id(value: str) -> bool:
+    """Whether `value` (from a client) is an acceptable request id: 1 to `MAX_ID_LENGTH` of
+    `ID_CHARACTERS`."""
+    return len(value) <= MAX_ID_LENGTH and _ID.fullmatch(value) is not None

@@ -15,11 +15,12 @@ from collections.abc import Coroutine
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ._cycle import FINISHED, Cycle
+from ._cycle import Cycle
 from ._messages import expects_continue
 from ._servers import paused_reading, reading_of
 from ._session import FINISHED as SESSION_FINISHED
 from ._session import Session
+from ._states import FINISHED
 
 logger = logging.getLogger("asgi_cancel")
 

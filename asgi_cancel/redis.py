@@ -38,8 +38,8 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
     raise missing_extra("redis", exc) from exc
 
-from ._registry import CancelRegistry, valid_request_id
-from ._validate import seconds
+from ._registry import CancelRegistry
+from ._validate import seconds, valid_request_id
 
 __all__ = ["RedisBroker"]
 

@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, current_token
-from asgi_cancel._registry import valid_request_id
 from asgi_cancel._tracking import MAX_BUDGET, parse_duration, route_path
+from asgi_cancel._validate import valid_request_id
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
