@@ -63,7 +63,7 @@ class CancelCriteria:
     the prompt is the decoder's start. The rows are those it is asked about, unless `rows` says
     otherwise: a beam search (transformers 4.50 on) asks about more candidates than the beams it
     computes (twice as many, or more with several EOS tokens), so give it the batch size times
-    `num_beams` there.
+    `num_beams` there (`generate_in_thread` does when its call gives `num_beams=`).
 
     Make one per `generate()` call (it counts from that call's first token). Made outside a
     request (no token), it warns (`RuntimeWarning`, at the line that made it) and never stops
@@ -300,6 +300,7 @@ def generate_in_thread(
     *args: Any,
     token: CancelToken | None = None,
     join_timeout: float = 5.0,
+    rows: int | None = None,
     **kwargs: Any,
 ) -> Generation[_ResultT]:
     """Start `generate(*args, **kwargs)` in a thread, stopped by the request's token.
@@ -321,6 +322,9 @@ def generate_in_thread(
         *args: passed on to `generate`.
         token: the request's token; by default `current_token()` of the caller's context.
         join_timeout: seconds the reader waits for the thread once reading ends.
+        rows: the rows `generate` computes per token, for the usage count (`CancelCriteria`'s
+            `rows`). None: the batch times `num_beams` for a beam search given `num_beams=`
+            and `input_ids=` here, else the rows `generate` asks its criteria about.
         **kwargs: passed on to `generate` (`streamer=`, `max_new_tokens=`, ...); a
             `stopping_criteria` list given here is extended, not replaced.
 
@@ -329,13 +333,24 @@ def generate_in_thread(
 
     Raises:
         TypeError: `token` is neither a `CancelToken` nor None.
-        ValueError: `join_timeout` is not a finite number of seconds >= 0.
+        ValueError: `join_timeout` is not a finite number of seconds >= 0, or `rows` is
+            neither None nor an int > 0.
     """
     join_timeout = seconds("join_timeout", join_timeout)
-    criteria = CancelCriteria(token)
+    criteria = CancelCriteria(token, rows=_beam_rows(kwargs) if rows is None else rows)
     given = kwargs.get("stopping_criteria")
     # A `StoppingCriteriaList` stays one (a copy: the caller's list is left as it was).
     kwargs["stopping_criteria"] = [criteria] if given is None else type(given)([*given, criteria])
     generation = Generation(generate, args, kwargs, criteria=criteria, join_timeout=join_timeout)
     generation.thread.start()
     return generation
+
+
+def _beam_rows(kwargs: dict[str, Any]) -> int | None:
+    """The rows a beam search computes per token (batch size times `num_beams`), when the
+    call's own arguments say so: it asks its criteria about more candidates than that."""
+    beams, ids = kwargs.get("num_beams"), kwargs.get("input_ids")
+    shape = getattr(ids, "shape", None)
+    if isinstance(beams, int) and not isinstance(beams, bool) and beams > 1 and shape:
+        return int(shape[0]) * beams
+    return None

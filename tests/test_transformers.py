@@ -173,6 +173,31 @@ def test_rows_given_are_counted_instead_of_the_rows_asked_about() -> None:
             CancelCriteria(token, rows=rows)
 
 
+@pytest.mark.parametrize(
+    ("given", "rows"),
+    [
+        ({}, None),  # the rows asked about
+        ({"num_beams": 3}, 6),  # a beam search: batch (2) times beams
+        ({"num_beams": 1}, None),  # greedy: what it asks about is what it computes
+        ({"num_beams": 3, "rows": 4}, 4),  # said outright: that wins
+    ],
+    ids=["plain", "beams", "one-beam", "rows"],
+)
+def test_generate_in_thread_counts_a_beam_searchs_rows(given: dict[str, Any], rows: int) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def generate(**kwargs: Any) -> None:
+        seen.append(kwargs)
+
+    generation = generate_in_thread(generate, token=CancelToken(), input_ids=FakeIds(2, 5), **given)
+    generation.result(WATCHDOG)
+    assert generation.criteria.rows == rows
+    assert "rows" not in seen[0]  # ours, not generate()'s
+    assert seen[0].get("num_beams") == given.get("num_beams")
+    with pytest.raises(ValueError, match="rows must be None or an int > 0"):
+        generate_in_thread(generate, token=CancelToken(), rows=0)
+
+
 def test_finished_generation_is_never_marked_stopped() -> None:
     model = FakeModel(step=0)
     token, fire = fired_token()

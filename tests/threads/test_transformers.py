@@ -167,10 +167,12 @@ def test_criteria_stops_a_real_batch_and_beam_search(server: Server, shape: str)
     assert token.usage.prompt_tokens > 0
 
 
+@pytest.mark.parametrize("how", ["criteria", "generate_in_thread"])
 @pytest.mark.parametrize("num_beams", [1, 3], ids=["greedy", "beams"])
-def test_usage_counts_the_rows_the_model_computes(server: Server, num_beams: int) -> None:
+def test_usage_counts_the_rows_the_model_computes(server: Server, num_beams: int, how: str) -> None:
     # The judge is the model's forward passes. A beam search asks its criteria about twice its
-    # beams (transformers 4.50 on: the candidates it picks from), so `rows=` says what it computes.
+    # beams (transformers 4.50 on: the candidates it picks from), so `rows=` says what it
+    # computes; `generate_in_thread` works it out from the call's `num_beams=`.
     engine = server.engine
     inputs = engine.inputs("a prompt of a few tokens")
     prompt = inputs["input_ids"].shape[-1]
@@ -180,18 +182,15 @@ def test_usage_counts_the_rows_the_model_computes(server: Server, num_beams: int
         forwarded.append(tuple(kwargs["input_ids"].shape))
 
     token = CancelToken()
-    criteria = CancelCriteria(token, rows=num_beams if num_beams > 1 else None)
+    call = {"max_new_tokens": 6, "min_new_tokens": 6, "num_beams": num_beams, "do_sample": False}
     with engine.lock:
         handle = engine.model.register_forward_hook(hook, with_kwargs=True)
         try:
-            engine.model.generate(
-                **inputs,
-                max_new_tokens=6,
-                min_new_tokens=6,
-                num_beams=num_beams,
-                do_sample=False,
-                stopping_criteria=[criteria],
-            )
+            if how == "criteria":
+                criteria = CancelCriteria(token, rows=num_beams if num_beams > 1 else None)
+                engine.model.generate(**inputs, **call, stopping_criteria=[criteria])
+            else:
+                generate_in_thread(engine.model.generate, token=token, **inputs, **call).result(60)
         finally:
             handle.remove()
     assert forwarded[0] == (num_beams, prompt)  # the prefill: every beam
