@@ -121,9 +121,13 @@ class CancelCriterion:
 
     def __call__(self, input_ids: Sized, logits: object) -> bool:
         length = len(input_ids)
-        if length == self._last_length:
-            # llama-cpp-python's closing call after the loop (the same ids as the last one):
-            # the generation is over; its answer decides finish_reason, so it stays the last.
+        last = self._last_length
+        if last is not None and length != last + 1:
+            # llama-cpp-python's closing call after the loop: the ids evaluated, the same as at
+            # the last token's call, or more with a draft model (speculative decoding), where
+            # each token's call has exactly one more (one drafted token left over looks like
+            # a token's call: docs/threads.md). The generation is over; this answer decides
+            # finish_reason, so it stays the last.
             self._closed = True
             return self.stopped
         return self._step(length)

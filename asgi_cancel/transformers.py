@@ -176,7 +176,8 @@ class Generation(Generic[_ResultT]):
         self.criteria = criteria
         self.join_timeout = join_timeout
         self.streamer: TextQueueStreamer | None = kwargs.get("streamer")
-        #: Whether the thread was still running after the bounded join (it ignored the token).
+        #: Whether the thread was still running after the bounded join that follows the end
+        #: of reading (it ignored the token): reported once, at WARNING.
         self.left_running = False
         self._result: _ResultT | None = None
         self._error: BaseException | None = None
@@ -242,19 +243,28 @@ class Generation(Generic[_ResultT]):
                 # The reader left early (closed): nobody reads what the thread would generate.
                 self.criteria.stop()
             if running_library() is None:
-                self.result(self.join_timeout, raising=False)
+                self._join()
             else:
                 # Closed in an event loop's thread (Starlette's iterator wrapper, collected
                 # there after a disconnect): the join, up to a token or `join_timeout`, would
                 # stall every request of the loop. A thread of its own waits instead.
                 threading.Thread(
-                    target=self.result,
-                    args=(self.join_timeout,),
-                    kwargs={"raising": False},
-                    name="asgi-cancel-generate-join",
-                    daemon=True,
+                    target=self._join, name="asgi-cancel-generate-join", daemon=True
                 ).start()
         self._raise_error()
+
+    def _join(self) -> None:
+        """Reading has ended: wait for the thread at most `join_timeout`; one still running
+        then ignores the token, and is reported and left behind."""
+        self.result(self.join_timeout, raising=False)
+        if self.thread.is_alive():
+            self.left_running = True
+            logger.warning(
+                "a generate() thread still runs %gs after its request %s "
+                "(it does not check CancelCriteria?); left running",
+                self.join_timeout,
+                "stopped" if self.criteria.should_stop else "ended",
+            )
 
     def result(self, timeout: float | None = None, *, raising: bool = True) -> _ResultT | None:
         """Wait for the thread at most `timeout` seconds (None: until it ends); return what
@@ -267,14 +277,6 @@ class Generation(Generic[_ResultT]):
         """
         self.thread.join(timeout)
         if self.thread.is_alive():
-            if not self.left_running:
-                self.left_running = True
-                logger.warning(
-                    "a generate() thread still runs %.1fs after its request %s "
-                    "(it does not check CancelCriteria?); left running",
-                    timeout or 0.0,
-                    "stopped" if self.criteria.should_stop else "ended",
-                )
             return None
         if self._unregister is not None:
             self._unregister()

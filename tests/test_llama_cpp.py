@@ -3,7 +3,7 @@ way llama-cpp-python 0.3.36 calls them (tests/threads/test_llama_cpp.py runs the
 
 `complete()` is llama-cpp-python's loop as far as stopping criteria see it: after each token,
 the criteria get the ids evaluated so far (the prompt, then one more per token); after the
-loop, one closing call with the same ids decides `finish_reason`.
+loop, one closing call with the same ids (more with a draft model) decides `finish_reason`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ def complete(
     max_tokens: int,
     *,
     each_token: Callable[[int], None] = lambda n: None,
+    drafted: int = 0,
 ) -> tuple[str, int]:
-    """(finish_reason, tokens handed out) of one non-streaming completion."""
+    """(finish_reason, tokens handed out) of one non-streaming completion; with a draft model
+    (speculative decoding), `drafted` tokens it drafted are evaluated past the last one, and
+    the closing call's ids hold them too."""
     ids = list(range(PROMPT))
     tokens = 0
     while True:
@@ -45,10 +48,11 @@ def complete(
         if tokens >= max_tokens:
             break
         ids.append(tokens)  # the next eval
-    finish = "stop" if criterion(list(ids), None) else "length"
+    finish = "stop" if criterion([*ids, *range(drafted)], None) else "length"
     return finish, tokens
 
 
+@pytest.mark.parametrize("drafted", [0, 3], ids=["", "draft-model"])
 @pytest.mark.parametrize(
     ("max_tokens", "finish", "generated", "after_cancel"),
     # At token 10 of 100: the eleventh was sampled, never handed out. At token 8 of 8: between
@@ -57,7 +61,7 @@ def complete(
     ids=["stops-at-the-next-token", "a-finished-generation-is-never-marked-cancelled"],
 )
 def test_stops_at_the_token_after_the_cancel_and_counts_what_it_cost(
-    max_tokens: int, finish: tuple[str, int], generated: int, after_cancel: int
+    max_tokens: int, finish: tuple[str, int], generated: int, after_cancel: int, drafted: int
 ) -> None:
     token = CancelToken()
     criterion = CancelCriterion(token)
@@ -66,7 +70,10 @@ def test_stops_at_the_token_after_the_cancel_and_counts_what_it_cost(
         if n == min(10, max_tokens):
             token.fire("client disconnected")
 
-    assert complete(criterion, max_tokens, each_token=cancel_at_ten_or_the_end) == finish
+    assert (
+        complete(criterion, max_tokens, each_token=cancel_at_ten_or_the_end, drafted=drafted)
+        == finish
+    )
     assert criterion.stopped is (finish[0] == "stop")
     assert criterion.generated == generated
     usage = token.usage

@@ -427,6 +427,34 @@ def test_thread_that_ignores_the_token_is_logged_not_waited_on(
     assert model.ended.wait(WATCHDOG)  # left to finish by itself
 
 
+def test_polling_a_running_generation_reports_nothing_and_a_left_one_still_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # `result(timeout)` returns None while it runs: a poll, not a thread left running.
+    model = FakeModel()
+    token, fire = fired_token()
+    generation = generate_in_thread(
+        model.generate,
+        token=token,
+        streamer=FakeStreamer(),
+        max_new_tokens=400,
+        ignore_criteria=True,
+        join_timeout=0.1,
+    )
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        assert generation.result(0.02) is None
+        assert not generation.left_running
+        assert caplog.records == []
+        fire()  # the request stops; this thread ignores it
+        list(generation)
+    assert generation.left_running
+    assert [record.getMessage() for record in caplog.records] == [
+        "a generate() thread still runs 0.1s after its request stopped "
+        "(it does not check CancelCriteria?); left running"
+    ]
+    assert model.ended.wait(WATCHDOG)
+
+
 def test_generation_error_ends_the_stream_with_it() -> None:
     model = FakeModel(step=0)
     generation = generate_in_thread(

@@ -367,34 +367,46 @@ def test_a_finished_generation_is_never_marked_cancelled(servers: ServerPool) ->
     assert len(probe(server)["cancelled"]) == reports
 
 
-def test_a_cancel_between_the_last_token_and_the_end_leaves_finish_reason(model: Path) -> None:
+@pytest.mark.parametrize("draft", [False, True], ids=["", "draft-model"])
+def test_a_cancel_between_the_last_token_and_the_end_leaves_finish_reason(
+    model: Path, draft: bool
+) -> None:
     # llama-cpp-python asks its criteria once more after the loop: a cancel that lands then
     # (the last token generated, the response not yet sent) does not turn "length" into "stop".
+    # With a draft model (speculative decoding) that call's ids hold the drafted tokens too.
     import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     from asgi_cancel import CancelToken
     from asgi_cancel.llama_cpp import stopping_criteria
 
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=512, n_threads=1, verbose=False)
+    drafts = LlamaPromptLookupDecoding(num_pred_tokens=5, max_ngram_size=2) if draft else None
+    llm = llama_cpp.Llama(
+        model_path=str(model), n_ctx=1024, n_threads=1, verbose=False, seed=1, draft_model=drafts
+    )
     token = CancelToken()
     asked: list[int] = []
 
     def cancel_at_the_last_token(input_ids: Any, logits: Any) -> bool:
         asked.append(len(input_ids))
-        if len(asked) == 9:  # the closing call; the cancel criterion is asked after it
+        if len(asked) == 21:  # the closing call; the cancel criterion is asked after it
             token.fire("client disconnected")
         return False
 
     criteria = stopping_criteria(cancel_at_the_last_token, token=token)
     result = llm.create_completion(
-        "hello", max_tokens=8, temperature=0.0, stopping_criteria=criteria
+        "the of and the of and the of and",  # a repeating prompt: the lookup drafts from it
+        max_tokens=20,
+        temperature=0.0,
+        stopping_criteria=criteria,
     )
-    assert len(asked) == 9  # eight tokens, then the closing call
+    assert len(asked) == 21  # twenty tokens, then the closing call
+    assert (asked[-1] > asked[-2] + 1) is draft  # the drafted tokens were evaluated
     assert token.cancelled
     assert result["choices"][0]["finish_reason"] == "length"
     assert not criteria[-1].stopped
     assert token.usage is not None
-    assert (token.usage.completion_tokens, token.usage.after_cancel) == (8, 0)
+    assert (token.usage.completion_tokens, token.usage.after_cancel) == (20, 0)
 
 
 def test_outside_a_request_the_criteria_never_stop_a_generation(model: Path) -> None:
