@@ -55,7 +55,7 @@ class CancelScope:
     Made by the middleware for each request that needs one (its token is asked for, it is
     stopped, it has an id or a deadline), or by `CancelToken()` alone. `CancelToken` is its
     read-only face; `shield()` and `detach()` change it through `enter_shield()`,
-    `exit_shield()` and `detached`.
+    `exit_shield()` and `detach()`.
     """
 
     __slots__ = (
@@ -170,6 +170,9 @@ class CancelScope:
             self.deferred = False
             if self.lane is not None:
                 self.lane.after_shield(self.deliver)
+
+    def detach(self) -> None:
+        self.detached = True
 
     # -- callbacks -------------------------------------------------------------------------------
     def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:

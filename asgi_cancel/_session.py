@@ -274,8 +274,12 @@ class Session(Generic[L]):
 
 
 def _cost(message: Message) -> int:
-    payload = message.get("bytes") or message.get("text") or b""
-    return MESSAGE_COST + len(payload)
+    """What a message counts against `read_ahead`: its payload's bytes (a text's UTF-8)."""
+    data = message.get("bytes")
+    if data:
+        return MESSAGE_COST + len(data)
+    text = message.get("text") or ""
+    return MESSAGE_COST + (len(text) if text.isascii() else len(text.encode("utf-8", "replace")))
 
 
 def _client_gone(exc: Exception) -> bool:

@@ -302,7 +302,7 @@ class detach(ContextDecorator):  # lower case: used like shield(), a function-li
         if request is None:
             return None
         scope = request.cancel_scope
-        scope.detached = True
+        scope.detach()
         return token_of(scope)
 
     def __exit__(self, *exc_info: object) -> None:

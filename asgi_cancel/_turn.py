@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
-from ._backend import Canceller, Lane, Timer
+from ._backend import Canceller, Lane, Timer, running_library
 from ._scope import CancelScope
 from ._token import CancelToken, Request, bind, current_request, token_of, unbind
 
@@ -32,12 +32,19 @@ class turn:  # lower case: used like shield() and detach()
     of its running turns fire too; a turn running in a task of its own has that task
     cancelled as by `cancel()`, one in the request's own task meets the request's cancellation.
 
+    `shield()` and `detach()` inside a turn hold off the request's cancellation too (it would
+    otherwise cut the block, in the same task): until the block's end for `shield()`, until
+    the turn's end for `detach()`.
+
+    Enter it in the request's event loop (the request's task, or a task it started), and hand
+    its token to a worker thread: a thread has no task to cancel.
+
     Args:
         reason: what the token's `reason` says after a `cancel()` that gives none.
 
     Raises:
-        RuntimeError: entered outside a request handled by `CancelOnDisconnectMiddleware`, or
-            entered twice.
+        RuntimeError: entered outside a request handled by `CancelOnDisconnectMiddleware`, in a
+            worker thread, or twice.
     """
 
     def __init__(self, reason: str = TURN_CANCELLED) -> None:
@@ -51,6 +58,11 @@ class turn:  # lower case: used like shield() and detach()
         if parent is None:
             raise RuntimeError(
                 "turn() was entered outside a request handled by CancelOnDisconnectMiddleware"
+            )
+        if running_library() is None:
+            raise RuntimeError(
+                "turn() was entered in a worker thread: enter it in the event loop and hand "
+                "its token to the thread (`with turn() as token: await to_thread(work, token)`)"
             )
         running = self._running = _Turn(parent)
         return token_of(running.cancel_scope)
@@ -90,7 +102,8 @@ class _Turn:
         self.app_task: Any = None  # (its lane takes the task entering the turn)
         self.app: Any = None
         self.own = parent.new_lane(self)
-        self.cancel_scope = CancelScope(_TurnLane(self.own, parent.cancel_scope.lane))
+        around = parent.cancel_scope
+        self.cancel_scope = _TurnScope(_TurnLane(self.own, around.lane), around)
         self.apart = not parent.in_app_task()  # in a task of its own
         self.entered = self.own.enter()
         self.bound = bind(self)
@@ -154,6 +167,39 @@ class _Turn:
 
     def watchable(self) -> bool:
         return False
+
+
+class _TurnScope(CancelScope):
+    """A turn's scope. `shield()` and `detach()` inside the turn hold off the cancellation of
+    the request around it too (a session's cancels the same task, a turn's task's parent):
+    `shield()` for the block, `detach()` for the rest of the turn."""
+
+    __slots__ = ("around", "holding")
+
+    def __init__(self, lane: Canceller, around: CancelScope) -> None:
+        super().__init__(lane)
+        self.around = around
+        self.holding = False  # detached: `around` shielded until the turn ends
+
+    def enter_shield(self) -> None:
+        super().enter_shield()
+        self.around.enter_shield()
+
+    def exit_shield(self) -> None:
+        self.around.exit_shield()
+        super().exit_shield()
+
+    def detach(self) -> None:
+        super().detach()
+        if not self.holding:
+            self.holding = True
+            self.around.enter_shield()
+
+    def close(self) -> None:
+        super().close()
+        if self.holding:
+            self.holding = False
+            self.around.exit_shield()  # a cancellation it deferred lands after the turn
 
 
 class _TurnLane:

@@ -89,8 +89,11 @@ async def watch(cycle: Cycle[Any]) -> None:
                 return
             finally:
                 cycle.reading = False
-            if cycle.state is FINISHED:
-                return  # (uvicorn answers it once the response is complete)
+            if cycle.state is FINISHED or cycle.disconnect is not None:
+                # (uvicorn answers it once the response is complete.) Or the request was
+                # stopped meanwhile (by id, its deadline): the app has its disconnect, and
+                # nothing the client sent after it.
+                return
             message_type = message["type"]
             if message_type == "http.disconnect":
                 cycle.client_left(message)
@@ -138,8 +141,8 @@ async def watch_session(session: Session[Any]) -> None:
                 return
             finally:
                 session.reading = False
-            if session.phase is SESSION_FINISHED:
-                return
+            if session.phase is SESSION_FINISHED or session.disconnect is not None:
+                return  # over, or stopped meanwhile: nothing after the app's disconnect
             if message["type"] == "websocket.disconnect":
                 session.client_left(message)
                 return

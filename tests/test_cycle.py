@@ -165,6 +165,37 @@ async def test_disconnect_mid_body_cancels_the_body_reader_without_error_or_loss
     assert conn.sent == []
 
 
+async def test_no_body_the_client_sends_after_a_stop_reaches_the_app() -> None:
+    """Stopped by id mid-upload, inside `shield()` (so the app reads on): it gets
+    http.disconnect, and so does every later receive(), even once the client has sent more
+    (the watcher still waited for it)."""
+    from asgi_cancel import CancelRegistry
+
+    registry = CancelRegistry()
+    seen: list[str] = []
+    reading = anyio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append((await receive())["type"])
+        with shield():
+            await anyio.sleep(0.02)  # the watcher starts, and waits for the next chunk
+            seen.append((await receive())["type"])  # behind the watcher, until the stop
+            reading.set()
+            await anyio.sleep(0.05)  # the client sends its next chunk meanwhile
+            seen.append((await receive())["type"])
+
+    server = QueueServer({"type": "http.request", "body": b"1", "more_body": True})
+    middleware = CancelOnDisconnectMiddleware(app, registry=registry, watch_delay=0)
+    scope = http_scope("POST", headers=[(b"x-request-id", b"upload-1")])
+    async with serving(middleware, scope, server.receive, server.send):
+        await until(lambda: server.receive_calls >= 2)  # the watcher waits for more body
+        await anyio.sleep(0.04)  # the app waits behind it
+        assert registry.cancel("upload-1")
+        await reading.wait()
+        server.put({"type": "http.request", "body": b"2", "more_body": True})
+    assert seen == ["http.request", "http.disconnect", "http.disconnect"]
+
+
 async def test_body_reader_woken_with_the_last_chunk_is_not_taken_for_a_listener() -> None:
     events: list[str] = []
 

@@ -20,6 +20,8 @@ from asgi_cancel import (
     CancelRegistry,
     CancelToken,
     current_token,
+    detach,
+    shield,
     turn,
 )
 from asgi_cancel.types import ASGIApp, CancelledRequest, Message, Receive, Scope, Send
@@ -226,6 +228,27 @@ async def test_messages_reach_the_app_in_order_and_the_read_ahead_is_bounded() -
     assert sent_types(server) == ["websocket.accept", "websocket.close"]
 
 
+@pytest.mark.parametrize("kind", ["bytes", "text"])
+async def test_the_read_ahead_counts_bytes_for_text_too(kind: str) -> None:
+    """Non-ASCII text counts its UTF-8 bytes against `read_ahead`, as binary messages do: 2
+    messages of 3,000 bytes (1,000 characters of 3 bytes each) fill a 4,000-byte bound."""
+    payload = "\u20ac" * 1000  # 3,000 bytes in UTF-8
+    checked = anyio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        await checked.wait()
+        await send({"type": "websocket.close", "code": 1000})
+
+    key, value = ("bytes", payload.encode()) if kind == "bytes" else ("text", payload)
+    server = QueueServer(CONNECT, *({"type": "websocket.receive", key: value} for _ in range(6)))
+    middleware = CancelOnDisconnectMiddleware(app, read_ahead=4000)
+    async with session(middleware, ws_scope(), server):
+        await anyio.sleep(0.05)
+        assert server.receive_calls == 1 + 2  # the connect, then two messages: the bound
+        checked.set()
+
+
 async def test_the_disconnect_is_replayed_to_every_caller_as_a_fresh_message() -> None:
     seen: list[Message] = []
 
@@ -295,6 +318,28 @@ async def test_a_session_cancelled_by_id_is_closed_with_4499() -> None:
     accepted, closed = server.sent
     assert (b"x-request-id", b"session-1") in accepted["headers"]
     assert closed == {"type": "websocket.close", "code": 4499, "reason": "cancelled by id"}
+
+
+async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
+    """Stopped by id while the app listens: it gets the made-up disconnect, and so does every
+    later receive(), even once the client has sent more (the watcher still waited for it)."""
+    registry = CancelRegistry()
+    seen: list[Any] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        seen.append((await receive()).get("code"))
+        await anyio.sleep(0.05)  # the client's message comes meanwhile
+        seen.append((await receive()).get("code"))
+
+    server = QueueServer(CONNECT)
+    middleware = CancelOnDisconnectMiddleware(app, registry=registry, grace=1.0)
+    async with session(middleware, ws_scope([(b"x-request-id", b"s-2")]), server):
+        await until(lambda: server.receive_calls >= 2)
+        assert registry.cancel("s-2")
+        await anyio.sleep(0.01)
+        server.put(text("sent after the stop"))
+    assert seen == [4499, 4499]
 
 
 async def test_a_session_past_its_deadline_is_closed_with_4504() -> None:
@@ -460,6 +505,61 @@ async def test_a_turn_outside_a_request_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="outside a request"):
         with turn():
             pass  # pragma: no cover
+
+
+@pytest.mark.parametrize("keep", ["shield", "detach"])
+async def test_shield_or_detach_inside_a_turn_holds_off_the_sessions_cancellation(
+    keep: str,
+) -> None:
+    """A commit inside a turn, in the session's own task, when the client leaves: the session's
+    cancellation (which cancels that task) waits for the end of the shield() block, or of the
+    turn that detached, then lands."""
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        try:
+            with turn():
+                with shield() if keep == "shield" else detach():
+                    events.append("in the block")
+                    await anyio.sleep(0.2)  # the client leaves meanwhile
+                    events.append("block done")
+                await anyio.lowlevel.checkpoint()  # a shield's deferred cancellation lands here
+                events.append("rest of the turn")
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+
+    server = QueueServer(CONNECT)
+    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+        await until(lambda: "in the block" in events)
+        server.put(gone(1001))
+    after = ["cancelled"] if keep == "shield" else ["rest of the turn", "cancelled"]
+    assert events == ["in the block", "block done", *after]
+
+
+async def test_a_turn_entered_in_a_worker_thread_is_a_clear_error() -> None:
+    errors: list[str] = []
+
+    def in_thread() -> None:
+        try:
+            with turn():
+                pass  # pragma: no cover
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        await anyio.to_thread.run_sync(in_thread)
+        await send({"type": "websocket.close", "code": 1000})
+
+    server = QueueServer(CONNECT)
+    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+        pass
+    assert len(errors) == 1
+    assert "turn() was entered in a worker thread" in errors[0]
+    assert sent_types(server) == ["websocket.accept", "websocket.close"]
 
 
 # -- metrics and the log line ---------------------------------------------------------------------
