@@ -137,6 +137,10 @@ class Cycle(Generic[L]):
         scope = self._scope
         return scope is not None and scope.absorbs()
 
+    def detached(self) -> bool:
+        scope = self._scope
+        return scope is not None and scope.detached
+
     def __await__(self) -> Generator[Any, None, Any]:
         """The rest of the app, once its first step was taken by hand: its coroutine's own
         iterator, so that no frame of ours runs when the task resumes the app."""
@@ -310,8 +314,9 @@ class Cycle(Generic[L]):
         id, deadline passed): the same token, callbacks and single cancellation of the app as
         a disconnect; once the app has ended, the backend completes the response (`status`
         if none started). Returns False if there was nothing to stop: the response was
-        complete, or the request was already stopped or over."""
-        if self.disconnect is not None or self.response_complete():
+        complete, the request was already stopped or over, or it was `detach()`ed (it runs
+        to its end, and the client gets its response)."""
+        if self.disconnect is not None or self.response_complete() or self.detached():
             return False
         if self.state is not READING_BODY and self.state is not WATCHING:
             return False  # pragma: no cover - a disconnect is cached in every other state

@@ -63,7 +63,11 @@ class OpenAIRequestIds:
 
         def send_aliasing(message: Message) -> Awaitable[None]:
             if message["type"] == "http.response.start":
-                for name, value in message.get("headers", ()):
+                headers = message.get("headers", ())
+                if not isinstance(headers, (list, tuple)):  # any iterable: read it once
+                    headers = list(headers)
+                    message = {**message, "headers": headers}
+                for name, value in headers:
                     if name.lower() == _VLLM_HEADER:
                         registry.alias(bytes(value).decode("latin-1"))
             return send(message)

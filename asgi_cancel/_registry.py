@@ -174,7 +174,13 @@ class CancelRegistry:
             if stopped:  # held here: the others are still told (a retry may run there too)
                 self.broker.cancel_elsewhere_soon(request_id, reason)
             else:
+                # Remembered before the others' answers: a request with the id that comes here
+                # while they are awaited is refused, as it is in the other processes.
+                self.remember_cancel(request_id)
                 stopped = await self.broker.cancel_elsewhere(request_id, reason)
+                if stopped:
+                    self.forget_cancel(request_id)
+                return stopped
         if not stopped:
             self.remember_cancel(request_id)
         return stopped
@@ -247,6 +253,11 @@ class CancelRegistry:
             remembered[request_id] = now + self.remember
             while len(remembered) > MAX_REMEMBERED:
                 del remembered[next(iter(remembered))]
+
+    def forget_cancel(self, request_id: str) -> None:
+        """Forget a remembered cancel of `request_id` (a request held it after all)."""
+        with self._lock:
+            self._remembered.pop(request_id, None)
 
     def cancelled_before_it_came(self, request_id: str) -> bool:
         """Whether a cancel of `request_id` came within the last `remember` seconds, before any

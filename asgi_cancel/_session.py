@@ -31,6 +31,8 @@ __all__ = ["MESSAGE_COST", "Session"]
 # What one message read ahead counts against `read_ahead`, besides its payload: a flood of empty
 # messages is bounded too.
 MESSAGE_COST = 100
+# What a close frame's reason may hold, in bytes of UTF-8 (RFC 6455: 125 with the code).
+MAX_CLOSE_REASON = 123
 
 # What a server's send raises once the client has gone: an OSError (ASGI 2.4; uvicorn's
 # ClientDisconnected), or, on daphne, autobahn's `Disconnected` (a RuntimeError).
@@ -217,12 +219,16 @@ class Session(Generic[L]):
         id, deadline passed): the app is cancelled as for a disconnect, and the client gets a
         close frame once the app has ended, its code the HTTP `status` in the private range
         (`4000 + status`: 4499 cancelled, 4504 deadline exceeded), its reason `reason`.
-        False if there was nothing to stop."""
+        False if there was nothing to stop (or the session was `detach()`ed)."""
         if self.disconnect is not None or self.phase not in (HANDSHAKE, OPEN):
             return False
+        scope = self._scope
+        if scope is not None and scope.detached:
+            return False
         code = WEBSOCKET_CLOSE_CODES + status
-        self.disconnect = {"type": "websocket.disconnect", "code": code, "reason": reason}
-        self.closing = {"type": "websocket.close", "code": code, "reason": reason}
+        said = _close_reason(reason)
+        self.disconnect = {"type": "websocket.disconnect", "code": code, "reason": said}
+        self.closing = {"type": "websocket.close", "code": code, "reason": said}
         self._stop(reason, code, stopped=True)
         self.ensure_lane().wake()
         return True
@@ -280,6 +286,15 @@ def _cost(message: Message) -> int:
         return MESSAGE_COST + len(data)
     text = message.get("text") or ""
     return MESSAGE_COST + (len(text) if text.isascii() else len(text.encode("utf-8", "replace")))
+
+
+def _close_reason(reason: str) -> str:
+    """`reason` as a close frame can carry it: at most 123 bytes of UTF-8 (RFC 6455), cut at a
+    character's boundary."""
+    encoded = reason.encode("utf-8", "replace")
+    if len(encoded) <= MAX_CLOSE_REASON:
+        return reason
+    return encoded[:MAX_CLOSE_REASON].decode("utf-8", "ignore")
 
 
 def _client_gone(exc: Exception) -> bool:

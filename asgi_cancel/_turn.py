@@ -155,8 +155,9 @@ class _Turn:
         absorbed = self.own.leave(self.entered, exc_type, exc, traceback)
         if isinstance(exc, asyncio.CancelledError) and scope.cancel_called:
             # Its own cancellation (issued, or raised by `raise_if_cancelled()` in a worker
-            # thread), and nobody else's pending.
-            absorbed = scope.absorbs()
+            # thread), and nobody else's pending: not the request's, issued to the same task
+            # (which Python 3.10 cannot tell from the turn's by the task alone).
+            absorbed = scope.absorbs() and not self.parent.cancel_scope.issued
         scope.close()
         return absorbed
 

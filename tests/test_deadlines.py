@@ -7,7 +7,7 @@ import json
 import anyio
 import pytest
 
-from asgi_cancel import CancelOnDisconnectMiddleware, current_token
+from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, current_token, detach
 from asgi_cancel.testing import http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
@@ -31,6 +31,40 @@ async def test_a_passed_deadline_answers_504_or_ends_a_started_stream_cleanly(st
         assert conn.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     else:
         assert (conn.status, json.loads(conn.body)) == (504, {"error": "deadline exceeded"})
+
+
+@pytest.mark.parametrize("stopped_by", ["deadline", "cancel by id"])
+async def test_a_detached_request_runs_to_its_end_and_its_client_gets_its_response(
+    stopped_by: str,
+) -> None:
+    """A payment endpoint under `detach()`: neither its deadline nor a cancel by id stops it
+    (the cancel answers False: nothing was stopped), and the client gets the app's answer,
+    not a 504 or 499 for work that was done."""
+    registry = CancelRegistry()
+    events: list[object] = []
+
+    @detach()
+    async def pay(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        events.append("charging")
+        await anyio.sleep(0.15)  # past the deadline, or the cancel comes meanwhile
+        events.append("charged")
+        await respond(send, b"paid")
+
+    async def cancel_meanwhile() -> None:
+        await anyio.sleep(0.05)
+        events.append(("cancel", registry.cancel("pay-1")))
+
+    options = {"timeout": 0.05} if stopped_by == "deadline" else {"registry": registry}
+    middleware = CancelOnDisconnectMiddleware(pay, **options)  # type: ignore[arg-type]
+    scope = http_scope("POST", headers=[(b"x-request-id", b"pay-1")])
+    async with anyio.create_task_group() as tasks:
+        if stopped_by == "cancel by id":
+            tasks.start_soon(cancel_meanwhile)
+        conn = await served(middleware, scope)
+    cancelled = [("cancel", False)] if stopped_by == "cancel by id" else []
+    assert events == ["charging", *cancelled, "charged"]
+    assert (conn.status, conn.body) == (200, b"paid")
 
 
 async def test_a_stream_that_ends_itself_at_the_deadline_is_still_cut_visibly() -> None:

@@ -94,6 +94,21 @@ async def test_the_header_vllm_answers_with_cancels_the_request() -> None:
     assert ids == [b"vllm-own-uuid"]  # vLLM's header kept, ours not added
 
 
+async def test_headers_given_as_a_one_shot_iterable_all_reach_the_client() -> None:
+    """ASGI allows any iterable of headers: read once for the id, they are all still sent."""
+    registry = CancelRegistry()
+    headers = [(b"content-type", b"text/plain"), (b"x-request-id", b"vllm-own-2")]
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        start = {"type": "http.response.start", "status": 200, "headers": iter(headers)}
+        await send(start)
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    middleware = CancelOnDisconnectMiddleware(OpenAIRequestIds(app, registry), registry=registry)
+    conn = await served(middleware, http_scope("POST"))
+    assert list(conn.sent[0]["headers"]) == headers
+
+
 async def test_outside_a_request_with_an_id_everything_passes_through() -> None:
     seen: list[object] = []
 

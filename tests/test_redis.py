@@ -89,6 +89,20 @@ def test_a_cancel_that_arrives_before_its_request_stops_it_when_it_comes(nodes: 
     assert later.result(WATCHDOG).status == 499
 
 
+def test_a_request_that_comes_to_the_sender_while_it_awaits_the_answers_is_refused(
+    nodes: list[Node],
+) -> None:
+    # c is busy (a long synchronous step): a's cancel waits the broker's whole `wait` for its
+    # answer. A request with the id that reaches a meanwhile is refused, as on b or c.
+    a, _, c = nodes
+    c.block(1.5)
+    cancelling = asyncio.run_coroutine_threadsafe(a.registry.acancel("req-7"), a.loop)
+    time.sleep(0.1)
+    assert a.start_request("req-7").result(WATCHDOG).status == 499
+    assert cancelling.result(WATCHDOG) is False  # nobody held it: 404 from the endpoint
+    assert a.events == []  # its app never ran
+
+
 @pytest.mark.parametrize("aliased", [True, False], ids=["aliased", "control-no-alias"])
 def test_a_cancel_by_an_alias_reaches_the_process_that_holds_it(
     nodes: list[Node], aliased: bool

@@ -320,6 +320,27 @@ async def test_a_session_cancelled_by_id_is_closed_with_4499() -> None:
     assert closed == {"type": "websocket.close", "code": 4499, "reason": "cancelled by id"}
 
 
+async def test_a_long_reason_is_cut_to_what_a_close_frame_holds() -> None:
+    """A close frame's reason holds 123 bytes (RFC 6455): a longer one is cut at a character's
+    boundary, or servers send no close at all (uvicorn's websockets) or an invalid one."""
+    registry = CancelRegistry()
+    started = anyio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        started.set()
+        await anyio.sleep(30)
+
+    server = QueueServer(CONNECT)
+    middleware = CancelOnDisconnectMiddleware(app, registry=registry)
+    async with session(middleware, ws_scope([(b"x-request-id", b"s-3")]), server):
+        await started.wait()
+        assert registry.cancel("s-3", reason="\u00e9" * 100)  # 200 bytes of UTF-8
+    closed = server.sent[-1]
+    assert (closed["type"], closed["code"]) == ("websocket.close", 4499)
+    assert closed["reason"] == "\u00e9" * 61  # 122 bytes: the 62nd would not fit whole
+
+
 async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
     """Stopped by id while the app listens: it gets the made-up disconnect, and so does every
     later receive(), even once the client has sent more (the watcher still waited for it)."""
@@ -537,6 +558,30 @@ async def test_shield_or_detach_inside_a_turn_holds_off_the_sessions_cancellatio
         server.put(gone(1001))
     after = ["cancelled"] if keep == "shield" else ["rest of the turn", "cancelled"]
     assert events == ["in the block", "block done", *after]
+
+
+async def test_the_sessions_cancellation_inside_a_turn_in_its_task_ends_the_session() -> None:
+    """The client leaves while a turn runs in the session's own task: the cancellation goes
+    through the turn's block (the turn does not take it for its own, Python 3.10 included)."""
+    events: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        try:
+            with turn():
+                events.append("in the turn")
+                await anyio.sleep(30)
+            events.append("after the turn")  # pragma: no cover - the bug
+            await anyio.sleep(30)  # pragma: no cover
+        except anyio.get_cancelled_exc_class():
+            events.append("cancelled")
+            raise
+
+    server = QueueServer(CONNECT)
+    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+        await until(lambda: "in the turn" in events)
+        server.put(gone(1001))
+    assert events == ["in the turn", "cancelled"]
 
 
 async def test_a_turn_entered_in_a_worker_thread_is_a_clear_error() -> None:
