@@ -56,7 +56,7 @@ async def test_a_detached_request_runs_to_its_end_and_its_client_gets_its_respon
         events.append(("cancel", registry.cancel("pay-1")))
 
     options = {"timeout": 0.05} if stopped_by == "deadline" else {"registry": registry}
-    middleware = CancelOnDisconnectMiddleware(pay, **options)  # type: ignore[arg-type]
+    middleware = CancelOnDisconnectMiddleware(pay, **options)
     scope = http_scope("POST", headers=[(b"x-request-id", b"pay-1")])
     async with anyio.create_task_group() as tasks:
         if stopped_by == "cancel by id":
