@@ -178,6 +178,13 @@ class ASGITransport(httpx.AsyncBaseTransport):
         raise error
 
     async def aclose(self) -> None:
-        """Close every response still open (their clients leave)."""
+        """Close every response still open (their clients leave), each of them even when an
+        app fails; then raise the first failure."""
+        failure: BaseException | None = None
         for exchange in list(self._open):
-            await self.finish(exchange)
+            try:
+                await self.finish(exchange)
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure

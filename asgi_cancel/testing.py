@@ -138,9 +138,9 @@ class ClientConnection:
                 self._next_chunk += 1
                 more_body = index < len(self._chunks) - 1
                 return {"type": "http.request", "body": self._chunks[index], "more_body": more_body}
-        if self._disconnect_delivered and self._after_disconnect == "block":
-            await anyio.sleep_forever()
         await self._disconnected.wait()
+        if self._disconnect_delivered and self._after_disconnect == "block":
+            await anyio.sleep_forever()  # (checked after the wait: two callers get one)
         self._disconnect_delivered = True
         return {"type": "http.disconnect"}
 

@@ -81,3 +81,29 @@ def test_http_scope_is_valid() -> None:
     assert scope["raw_path"] == b"/a%20b"  # as sent on the wire
     assert scope["asgi"] == {"version": "3.0", "spec_version": "2.4"}
     assert scope["headers"] == [(b"x", b"1")]
+
+
+async def test_block_after_the_disconnect_delivers_it_once_to_callers_waiting_together() -> None:
+    got: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+
+        async def listen(name: str) -> None:
+            got.append(f"{name}: {(await receive())['type']}")
+
+        with anyio.move_on_after(0.5):  # the second caller blocks, as on hypercorn
+            async with anyio.create_task_group() as listeners:
+                listeners.start_soon(listen, "first")
+                listeners.start_soon(listen, "second")
+
+    conn = ClientConnection(after_disconnect="block")
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(conn.run, app, http_scope())
+            await conn.wait_for_body_chunks(1)
+            await anyio.sleep(0.05)  # both wait in receive()
+            conn.disconnect()
+    assert len(got) == 1

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 
@@ -458,3 +459,24 @@ async def test_a_failing_request_body_is_raised_on_the_call_and_the_app_sees_a_d
                 await client.post("/", content=body())
     assert received[-1]["type"] == "http.disconnect"
     assert all(m["more_body"] for m in received[:-1]), "never told the body was whole"
+
+
+async def test_closing_the_client_closes_every_open_response_even_when_an_app_fails() -> None:
+    ended: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        await receive()  # the client leaves
+        ended.append(scope["path"])
+        raise RuntimeError(f"cleanup of {scope['path']} failed")
+
+    transport = ASGITransport(app, exit_timeout=1)
+    client = httpx.AsyncClient(transport=transport, base_url="http://test")
+    with anyio.fail_after(10):
+        await client.send(client.build_request("GET", "/a"), stream=True)
+        await client.send(client.build_request("GET", "/b"), stream=True)
+        with pytest.raises(RuntimeError, match="cleanup of /a failed"):
+            await client.aclose()  # the first failure, once every app was told
+    assert ended == ["/a", "/b"]
