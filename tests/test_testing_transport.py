@@ -477,6 +477,6 @@ async def test_closing_the_client_closes_every_open_response_even_when_an_app_fa
     with anyio.fail_after(10):
         await client.send(client.build_request("GET", "/a"), stream=True)
         await client.send(client.build_request("GET", "/b"), stream=True)
-        with pytest.raises(RuntimeError, match="cleanup of /[ab] failed"):
+        with pytest.raises(RuntimeError, match=r"cleanup of /[ab] failed"):
             await client.aclose()  # the first failure, once every app was told
     assert sorted(ended) == ["/a", "/b"]
