@@ -253,8 +253,10 @@ def test_client_leaves_a_session(server: OpenAIServer, variant: str, moment: str
             assert run.tokens_before_close == run.tokens_after_close == 0, run
         if variant == "asgi-cancel":
             assert run.cancel_line.count("client disconnected") == 1, run
-            if how == "close-frame":
-                assert run.cancel_line.endswith("(close 1000)"), run  # the client's code
+            if how == "close-frame":  # the client's code; unless vLLM's send met the closed
+                # socket first (the send race, logged): the token fired at that failed send
+                raced = bool(run.errors_logged) and run.cancel_line.endswith("(stream cut)")
+                assert run.cancel_line.endswith("(close 1000)") or raced, run
         else:
             assert run.cancel_line == "", run
         assert all(message.startswith(SEND_RACE) for message in run.errors_logged), run
