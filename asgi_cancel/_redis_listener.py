@@ -21,7 +21,7 @@ PINGS_PER_TIMEOUT = 10
 
 
 class Listener:
-    """Listens on `channels` until cancelled: hands each message's data to `deliver`, and tells
+    """Listens on `channels` until stopped: hands each message's data to `deliver`, and tells
     `reachable` of each connection made (its client, to publish with) and lost (None)."""
 
     def __init__(
@@ -40,11 +40,22 @@ class Listener:
         self.health_timeout = health_timeout
         self.deliver = deliver
         self.reachable = reachable
+        self.stopping = False
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        """End `task` (running `run()`). A cancel that meets redis-py's read timeout expiring in
+        the same loop step is taken for that expiry and lost (async-timeout, on Python 3.10),
+        so the cancel is repeated until the task ends, and the flag ends the loop at its next
+        turn (one ping interval) whatever happens to the cancels."""
+        self.stopping = True
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
 
     async def run(self) -> None:
         backoff = 0.1
         away = False
-        while True:
+        while not self.stopping:
             client = aioredis.Redis.from_url(
                 self.url,
                 socket_connect_timeout=self.connect_timeout,
@@ -78,6 +89,8 @@ class Listener:
                 self.reachable(None)
                 await _quietly(pubsub.aclose(), self.connect_timeout)
                 await _quietly(client.aclose(), self.connect_timeout)
+            if self.stopping:
+                return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
 
@@ -99,7 +112,7 @@ class Listener:
         every = self.health_timeout / PINGS_PER_TIMEOUT
         pinged_at = loop.time()  # the last ping sent (the subscription counts as one answered)
         unanswered = False
-        while True:
+        while not self.stopping:
             try:
                 message = await pubsub.get_message(timeout=every)
             except ResponseError:  # -BUSY during a long script, and the like: Redis is there

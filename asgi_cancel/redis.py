@@ -120,6 +120,7 @@ class RedisBroker:
         self._registry: CancelRegistry | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._listener: Listener | None = None
         self._client: Any = None
         self._pending: dict[str, _Answers] = {}
         self._sending: set[asyncio.Task[object]] = set()
@@ -144,7 +145,7 @@ class RedisBroker:
             return
         self._loop = loop
         self._tried_event = asyncio.Event()
-        listener = Listener(
+        listener = self._listener = Listener(
             self.url,
             (self.channel, self._reply_channel(self.node)),
             connect_timeout=self.connect_timeout,
@@ -203,12 +204,8 @@ class RedisBroker:
         """Stop listening and close the connection (at the app's shutdown; optional: the
         event loop's end does the same). Cancels are local from then on."""
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        if task is not None and self._listener is not None:
+            await self._listener.stop(task)
         for sending in list(self._sending):
             sending.cancel()
 
