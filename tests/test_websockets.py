@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import anyio
@@ -26,7 +27,15 @@ from asgi_cancel import (
 )
 from asgi_cancel.types import ASGIApp, CancelledRequest, Message, Receive, Scope, Send
 
-from .helpers import WATCHDOG, QueueServer, receive_into, serving, until, with_watchdog
+from .helpers import (
+    WATCHDOG,
+    QueueServer,
+    noting_cancellation,
+    receive_into,
+    serving,
+    until,
+    with_watchdog,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -47,8 +56,13 @@ def gone(code: int = 1001, reason: str = "") -> Message:
 
 
 @contextlib.asynccontextmanager
-async def session(app: ASGIApp, scope: Scope, server: QueueServer) -> AsyncIterator[None]:
-    async with serving(app, scope, server.receive, server.send):
+async def session(
+    app: ASGIApp, server: QueueServer, scope: Scope | None = None, **options: Any
+) -> AsyncIterator[None]:
+    """`app` under the middleware (`options`), serving one session to `server` while the block
+    runs; the block's end waits for it (watchdog'd)."""
+    middleware = CancelOnDisconnectMiddleware(app, **options)
+    async with serving(middleware, scope or ws_scope(), server.receive, server.send):
         yield
 
 
@@ -87,8 +101,7 @@ async def test_a_client_that_leaves_stops_a_busy_session_once() -> None:
             raise
 
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, on_cancelled=records.append)
-    async with session(middleware, ws_scope(), server):
+    async with session(app, server, on_cancelled=records.append):
         await until(lambda: len(server.sent) >= 3)
         server.put(gone(1001))
     assert events == [("cancelled", "client disconnected")]
@@ -108,15 +121,12 @@ async def test_a_disconnect_before_accept_stops_the_handshake() -> None:
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await receive()
-        try:
+        with noting_cancellation(events):
             await anyio.sleep(30)  # checks a token with an identity provider
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
         await send({"type": "websocket.accept"})  # pragma: no cover
 
     server = QueueServer(CONNECT)
-    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+    async with session(app, server):
         await until(lambda: server.receive_calls >= 2)  # the watcher waits past the connect
         server.put(gone(1006))
     assert events == ["cancelled"]
@@ -188,15 +198,12 @@ async def test_an_app_that_goes_on_after_a_failed_send_is_cancelled_at_the_disco
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await accept(receive, send)
-        try:
+        with noting_cancellation(events):
             for tick in range(1000):
                 with contextlib.suppress(OSError):
                     await send({"type": "websocket.send", "text": f"tick {tick}"})
                 await anyio.sleep(0.001)
             events.append("ran to the end")
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
 
     middleware = CancelOnDisconnectMiddleware(app, grace=GRACE)
     await with_watchdog(middleware(ws_scope(), server.receive, send))
@@ -220,8 +227,7 @@ async def test_messages_reach_the_app_in_order_and_the_read_ahead_is_bounded() -
 
     server = QueueServer(CONNECT, *(text(f"m{index:02}") for index in range(40)))
     # Each message counts its payload and 100 bytes: 3 fit in 400 bytes, a 4th does not.
-    middleware = CancelOnDisconnectMiddleware(app, read_ahead=400)
-    async with session(middleware, ws_scope(), server):
+    async with session(app, server, read_ahead=400):
         await anyio.sleep(0.03)
         assert server.receive_calls <= 1 + 5  # the connect, then a few read ahead: bounded
     assert got == [f"m{index:02}" for index in range(40)]
@@ -242,8 +248,7 @@ async def test_the_read_ahead_counts_bytes_for_text_too(kind: str) -> None:
 
     key, value = ("bytes", payload.encode()) if kind == "bytes" else ("text", payload)
     server = QueueServer(CONNECT, *({"type": "websocket.receive", key: value} for _ in range(6)))
-    middleware = CancelOnDisconnectMiddleware(app, read_ahead=4000)
-    async with session(middleware, ws_scope(), server):
+    async with session(app, server, read_ahead=4000):
         await until(lambda: server.receive_calls >= 1 + 2)  # the connect, then two messages
         await anyio.sleep(0.05)
         assert server.receive_calls == 1 + 2  # and no more: the bound
@@ -262,8 +267,7 @@ async def test_the_disconnect_is_replayed_to_every_caller_as_a_fresh_message() -
         seen.append(await receive())
 
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, grace=1.0)
-    async with session(middleware, ws_scope(), server):
+    async with session(app, server, grace=1.0):
         await until(lambda: server.receive_calls >= 2)
         server.put(gone(4001, "bye"))
     assert [message["code"] for message in seen] == [0, 4001, 4001]
@@ -284,15 +288,11 @@ async def test_an_app_in_receive_gets_the_disconnect_first(reacts: bool) -> None
         events.append(message["type"])
         if reacts:
             return
-        try:
+        with noting_cancellation(events):
             await anyio.sleep(30)
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
 
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, grace=GRACE)
-    async with session(middleware, ws_scope(), server):
+    async with session(app, server, grace=GRACE):
         await until(lambda: server.receive_calls >= 2)
         server.put(gone())
     expected = ["websocket.disconnect"] + ([] if reacts else ["cancelled"])
@@ -300,7 +300,19 @@ async def test_an_app_in_receive_gets_the_disconnect_first(reacts: bool) -> None
 
 
 # -- 23. stopped by id, by a deadline; refused at the edge ---------------------------------------
-async def test_a_session_cancelled_by_id_is_closed_with_4499() -> None:
+CLOSE_REASONS = {
+    "default": ({}, "cancelled by id"),
+    # 200 bytes of UTF-8, cut to 122: the 62nd character would not fit whole.
+    "long": ({"reason": "\u00e9" * 100}, "\u00e9" * 61),
+}
+
+
+@pytest.mark.parametrize(("given", "reason"), CLOSE_REASONS.values(), ids=CLOSE_REASONS)
+async def test_a_session_cancelled_by_id_is_closed_with_4499_and_a_reason_that_fits(
+    given: dict[str, str], reason: str
+) -> None:
+    """A close frame's reason holds 123 bytes (RFC 6455): a longer one is cut at a character's
+    boundary, or servers send no close at all (uvicorn's websockets) or an invalid one."""
     registry = CancelRegistry()
     ids: list[str | None] = []
 
@@ -310,36 +322,14 @@ async def test_a_session_cancelled_by_id_is_closed_with_4499() -> None:
         await anyio.sleep(30)
 
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, registry=registry)
     scope = ws_scope([(b"x-request-id", b"session-1")])
-    async with session(middleware, scope, server):
+    async with session(app, server, scope, registry=registry):
         await until(lambda: bool(ids))
-        assert registry.cancel("session-1")
+        assert registry.cancel("session-1", **given)
     assert ids == ["session-1"]
     accepted, closed = server.sent
     assert (b"x-request-id", b"session-1") in accepted["headers"]
-    assert closed == {"type": "websocket.close", "code": 4499, "reason": "cancelled by id"}
-
-
-async def test_a_long_reason_is_cut_to_what_a_close_frame_holds() -> None:
-    """A close frame's reason holds 123 bytes (RFC 6455): a longer one is cut at a character's
-    boundary, or servers send no close at all (uvicorn's websockets) or an invalid one."""
-    registry = CancelRegistry()
-    started = anyio.Event()
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await accept(receive, send)
-        started.set()
-        await anyio.sleep(30)
-
-    server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, registry=registry)
-    async with session(middleware, ws_scope([(b"x-request-id", b"s-3")]), server):
-        await started.wait()
-        assert registry.cancel("s-3", reason="\u00e9" * 100)  # 200 bytes of UTF-8
-    closed = server.sent[-1]
-    assert (closed["type"], closed["code"]) == ("websocket.close", 4499)
-    assert closed["reason"] == "\u00e9" * 61  # 122 bytes: the 62nd would not fit whole
+    assert closed == {"type": "websocket.close", "code": 4499, "reason": reason}
 
 
 async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
@@ -355,8 +345,8 @@ async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
         seen.append((await receive()).get("code"))
 
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(app, registry=registry, grace=1.0)
-    async with session(middleware, ws_scope([(b"x-request-id", b"s-2")]), server):
+    scope = ws_scope([(b"x-request-id", b"s-2")])
+    async with session(app, server, scope, registry=registry, grace=1.0):
         await until(lambda: server.receive_calls >= 2)
         assert registry.cancel("s-2")
         await anyio.sleep(0.01)
@@ -428,7 +418,7 @@ async def test_a_turn_cancelled_alone_leaves_the_session_open() -> None:
                     running[-1].cancel("response.cancel")
 
     server = QueueServer(CONNECT, text("response.create"))
-    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+    async with session(app, server):
         await until(lambda: bool(running))
         server.put(text("response.cancel"))
         await until(lambda: "after the turn" in events)
@@ -437,9 +427,12 @@ async def test_a_turn_cancelled_alone_leaves_the_session_open() -> None:
     assert {"type": "websocket.send", "text": "response.cancelled"} in server.sent
 
 
-async def test_a_worker_thread_that_raises_at_the_turns_cancel_ends_only_the_turn() -> None:
+@pytest.mark.parametrize("how", ["worker-thread", "own-code-leaves", "own-code-awaits"])
+async def test_a_turn_cancelled_alone_ends_there_and_only_there(how: str) -> None:
     """Sync generation in a worker thread checks the turn's token (`raise_if_cancelled()`): its
-    CancelledError ends the turn's block, not the session."""
+    CancelledError ends the turn's block, not the session. The turn's own code cancels it (it
+    read a `response.cancel` itself): the cancellation lands at the turn's next await, or
+    nowhere if the block is left first; never after it."""
     events: list[str] = []
     running: list[turn] = []
 
@@ -454,41 +447,24 @@ async def test_a_worker_thread_that_raises_at_the_turns_cancel_ends_only_the_tur
         current = turn()
         running.append(current)
         with current:
-            await anyio.to_thread.run_sync(generate)
-        events.append("after the turn")
-        await send({"type": "websocket.close", "code": 1000})
-
-    server = QueueServer(CONNECT)
-    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
-        await until(lambda: bool(running))
-        await anyio.sleep(0.02)
-        running[0].cancel()
-        await until(lambda: bool(events))
-    assert events == ["after the turn"]
-    assert sent_types(server) == ["websocket.accept", "websocket.close"]
-
-
-@pytest.mark.parametrize("then", ["leaves", "awaits"])
-async def test_a_turn_cancelled_by_its_own_code_ends_there_and_only_there(then: str) -> None:
-    """The turn's own code cancels it (it read a `response.cancel` itself): the cancellation
-    lands at the turn's next await, or nowhere if the block is left first; never after it."""
-    events: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await accept(receive, send)
-        current = turn()
-        with current:
-            await anyio.lowlevel.checkpoint()
-            current.cancel()
-            if then == "awaits":
-                await anyio.sleep(30)
+            if how == "worker-thread":
+                await anyio.to_thread.run_sync(generate)
+            else:
+                await anyio.lowlevel.checkpoint()
+                current.cancel()
+                if how == "own-code-awaits":
+                    await anyio.sleep(30)
         events.append("after the turn")
         await anyio.sleep(0.01)
         events.append("session goes on")
         await send({"type": "websocket.close", "code": 1000})
 
     server = QueueServer(CONNECT)
-    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+    async with session(app, server):
+        if how == "worker-thread":  # cancelled from outside, mid-generation
+            await until(lambda: bool(running))
+            await anyio.sleep(0.02)
+            running[0].cancel()
         await until(lambda: "session goes on" in events)
     assert events == ["after the turn", "session goes on"]
     assert sent_types(server) == ["websocket.accept", "websocket.close"]
@@ -516,7 +492,7 @@ async def test_a_closing_socket_cancels_the_turn_in_flight() -> None:
             await anyio.sleep(30)
 
     server = QueueServer(CONNECT)
-    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+    async with session(app, server):
         await until(lambda: bool(tokens))
         server.put(gone(1001))
     assert events == [("turn cancelled", "client disconnected")]
@@ -529,60 +505,42 @@ async def test_a_turn_outside_a_request_is_a_clear_error() -> None:
             pass  # pragma: no cover
 
 
-@pytest.mark.parametrize("keep", ["shield", "detach"])
-async def test_shield_or_detach_inside_a_turn_holds_off_the_sessions_cancellation(
-    keep: str,
+# What a commit inside a turn holds off the session's cancellation with, and what runs after it.
+KEEPS: dict[str, tuple[Callable[[], AbstractContextManager[object]], list[str]]] = {
+    "shield": (shield, ["block done", "cancelled"]),
+    "detach": (detach, ["block done", "rest of the turn", "cancelled"]),
+    "neither": (nullcontext, ["cancelled"]),
+}
+
+
+@pytest.mark.parametrize(("keep", "after"), KEEPS.values(), ids=KEEPS)
+async def test_the_sessions_cancellation_goes_through_a_turn_in_its_task(
+    keep: Callable[[], AbstractContextManager[object]], after: list[str]
 ) -> None:
-    """A commit inside a turn, in the session's own task, when the client leaves: the session's
-    cancellation (which cancels that task) waits for the end of the shield() block, or of the
-    turn that detached, then lands."""
+    """The client leaves while a turn runs in the session's own task: the cancellation goes
+    through the turn's block (the turn does not take it for its own, Python 3.10 included) and
+    ends the session. A commit inside the turn holds it off: it waits for the end of the
+    shield() block, or of the turn that detached, then lands."""
     events: list[str] = []
+    hold = 30 if keep is nullcontext else 0.2  # the client leaves meanwhile
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await accept(receive, send)
-        try:
+        with noting_cancellation(events):
             with turn():
-                with shield() if keep == "shield" else detach():
+                with keep():
                     events.append("in the block")
-                    await anyio.sleep(0.2)  # the client leaves meanwhile
+                    await anyio.sleep(hold)
                     events.append("block done")
                 await anyio.lowlevel.checkpoint()  # a shield's deferred cancellation lands here
                 events.append("rest of the turn")
             await anyio.sleep(30)
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
 
     server = QueueServer(CONNECT)
-    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+    async with session(app, server):
         await until(lambda: "in the block" in events)
         server.put(gone(1001))
-    after = ["cancelled"] if keep == "shield" else ["rest of the turn", "cancelled"]
-    assert events == ["in the block", "block done", *after]
-
-
-async def test_the_sessions_cancellation_inside_a_turn_in_its_task_ends_the_session() -> None:
-    """The client leaves while a turn runs in the session's own task: the cancellation goes
-    through the turn's block (the turn does not take it for its own, Python 3.10 included)."""
-    events: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await accept(receive, send)
-        try:
-            with turn():
-                events.append("in the turn")
-                await anyio.sleep(30)
-            events.append("after the turn")  # pragma: no cover - the bug
-            await anyio.sleep(30)  # pragma: no cover
-        except anyio.get_cancelled_exc_class():
-            events.append("cancelled")
-            raise
-
-    server = QueueServer(CONNECT)
-    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
-        await until(lambda: "in the turn" in events)
-        server.put(gone(1001))
-    assert events == ["in the turn", "cancelled"]
+    assert events == ["in the block", *after]
 
 
 async def test_a_turn_entered_in_a_worker_thread_is_a_clear_error() -> None:
@@ -601,7 +559,7 @@ async def test_a_turn_entered_in_a_worker_thread_is_a_clear_error() -> None:
         await send({"type": "websocket.close", "code": 1000})
 
     server = QueueServer(CONNECT)
-    async with session(CancelOnDisconnectMiddleware(app), ws_scope(), server):
+    async with session(app, server):
         pass
     assert len(errors) == 1
     assert "turn() was entered in a worker thread" in errors[0]
@@ -619,9 +577,8 @@ async def test_a_cancelled_session_is_logged_and_counted_with_its_phase_and_code
     registry = CollectorRegistry()
 
     server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(idle, on_cancelled=CancelMetrics(registry=registry))
     with caplog.at_level("INFO", logger="asgi_cancel"):
-        async with session(middleware, ws_scope(), server):
+        async with session(idle, server, on_cancelled=CancelMetrics(registry=registry)):
             await until(lambda: server.receive_calls >= 2)
             server.put(gone(1001))
     (line,) = [r for r in caplog.records if "cancelled after" in r.getMessage()]
