@@ -21,7 +21,7 @@ import pytest
 import asgi_cancel.transformers
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, detach, shield
 from asgi_cancel.testing import ClientConnection
-from asgi_cancel.transformers import CancelCriteria, generate_in_thread
+from asgi_cancel.transformers import CancelCriteria, Generation, generate_in_thread
 from asgi_cancel.types import Receive, Scope, Send
 
 from .helpers import WATCHDOG, leave, read_body, respond
@@ -126,6 +126,17 @@ def fire_mid_generation(model: FakeModel, fire: Callable[[], float], criteria: A
     thread.join(WATCHDOG)
     assert not thread.is_alive()
     return fired_at
+
+
+def streamed(model: FakeModel, token: CancelToken | None = None, **kwargs: Any) -> Generation[int]:
+    """`model.generate(**kwargs)` by `generate_in_thread`, with a streamer, bound to `token`
+    (a fresh one by default)."""
+    token = token if token is not None else CancelToken()
+    return generate_in_thread(model.generate, token=token, streamer=FakeStreamer(), **kwargs)
+
+
+def warned(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_criteria_stops_within_one_token_of_the_cancellation() -> None:
@@ -286,7 +297,7 @@ def test_criteria_never_called_is_reported_while_its_generation_runs_on(
         asyncio.run(leave(CancelOnDisconnectMiddleware(app), when=lambda: len(model.made) >= 5))
         assert model.ended.wait(WATCHDOG)
     assert len(model.made) == 600
-    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    records = warned(caplog)
     assert len(records) == 1, caplog.text
     assert records[0].getMessage().startswith(UNASKED)
     assert "after its request was cancelled, nor before" in records[0].getMessage()
@@ -306,7 +317,7 @@ def test_criteria_that_was_called_is_never_reported(
         time.sleep(quick_watch * 4)
     assert stopping.stopped
     assert not finished.stopped
-    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert warned(caplog) == []
 
 
 def test_criteria_made_in_a_shield_is_not_reported(
@@ -324,7 +335,7 @@ def test_criteria_made_in_a_shield_is_not_reported(
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
         asyncio.run(leave(CancelOnDisconnectMiddleware(app), when=lambda: bool(made)))
         time.sleep(quick_watch * 2)
-    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert warned(caplog) == []
 
 
 @pytest.mark.parametrize("keep", ["shield", "detach", "shield-stream"])
@@ -358,9 +369,7 @@ def test_shielded_or_detached_generation_runs_to_the_end(keep: str) -> None:
 def test_stream_ends_at_the_disconnect_and_the_thread_within_one_token() -> None:
     model = FakeModel()
     token, fire = fired_token()
-    generation = generate_in_thread(
-        model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=5000
-    )
+    generation = streamed(model, token, max_new_tokens=5000)
     texts = []
     fired_at = 0.0
     for text in generation:
@@ -381,9 +390,7 @@ def test_the_reader_ends_before_any_token_at_a_cancel_or_a_stop(how: str) -> Non
     # A long prefill: no token comes, and the reader still ends at the disconnect or stop().
     model = FakeModel(first_token_delay=0.5)
     token, fire = fired_token()
-    generation = generate_in_thread(
-        model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=5000, join_timeout=0
-    )
+    generation = streamed(model, token, max_new_tokens=5000, join_timeout=0)
     threading.Timer(0.05, fire if how == "cancel" else generation.stop).start()
     started = time.monotonic()
     assert list(generation) == []
@@ -395,71 +402,43 @@ def test_the_reader_ends_before_any_token_at_a_cancel_or_a_stop(how: str) -> Non
 
 def test_stream_without_cancellation_reads_everything() -> None:
     model = FakeModel(step=0)
-    generation = generate_in_thread(
-        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=40
-    )
+    generation = streamed(model, max_new_tokens=40)
     assert len(list(generation)) == 40
     assert generation.result(WATCHDOG) == 40
     assert not generation.stopped
 
 
+@pytest.mark.parametrize("poll", [False, True], ids=["read", "polled-then-read"])
 def test_thread_that_ignores_the_token_is_logged_not_waited_on(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, poll: bool
 ) -> None:
     model = FakeModel()
     token, fire = fired_token()
-    generation = generate_in_thread(
-        model.generate,
-        token=token,
-        streamer=FakeStreamer(),
-        max_new_tokens=400,
-        ignore_criteria=True,
-        join_timeout=0.1,
-    )
-    threading.Timer(0.05, fire).start()
+    generation = streamed(model, token, max_new_tokens=400, ignore_criteria=True, join_timeout=0.1)
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        if poll:
+            # `result(timeout)` returns None while it runs: a poll, not a thread left running.
+            assert generation.result(0.02) is None
+            assert not generation.left_running
+            assert caplog.records == []
+            fire()  # the request stops; this thread ignores it
+        else:
+            threading.Timer(0.05, fire).start()
         started = time.monotonic()
         list(generation)
         waited = time.monotonic() - started
     assert waited < 0.6  # the 400 tokens take ~0.8 s or more
     assert generation.left_running
-    assert "still runs" in caplog.text
-    assert model.ended.wait(WATCHDOG)  # left to finish by itself
-
-
-def test_polling_a_running_generation_reports_nothing_and_a_left_one_still_is(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    # `result(timeout)` returns None while it runs: a poll, not a thread left running.
-    model = FakeModel()
-    token, fire = fired_token()
-    generation = generate_in_thread(
-        model.generate,
-        token=token,
-        streamer=FakeStreamer(),
-        max_new_tokens=400,
-        ignore_criteria=True,
-        join_timeout=0.1,
-    )
-    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
-        assert generation.result(0.02) is None
-        assert not generation.left_running
-        assert caplog.records == []
-        fire()  # the request stops; this thread ignores it
-        list(generation)
-    assert generation.left_running
     assert [record.getMessage() for record in caplog.records] == [
         "a generate() thread still runs 0.1s after its request stopped "
         "(it does not check CancelCriteria?); left running"
     ]
-    assert model.ended.wait(WATCHDOG)
+    assert model.ended.wait(WATCHDOG)  # left to finish by itself
 
 
 def test_generation_error_ends_the_stream_with_it() -> None:
     model = FakeModel(step=0)
-    generation = generate_in_thread(
-        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=50, fail_at=5
-    )
+    generation = streamed(model, max_new_tokens=50, fail_at=5)
     with pytest.raises(RuntimeError, match="the model broke"):
         list(generation)
     whole = generate_in_thread(model.generate, token=CancelToken(), max_new_tokens=9, fail_at=2)
@@ -469,9 +448,7 @@ def test_generation_error_ends_the_stream_with_it() -> None:
 
 def test_reader_that_leaves_early_stops_the_generation() -> None:
     model = FakeModel()
-    generation = generate_in_thread(
-        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=5000
-    )
+    generation = streamed(model, max_new_tokens=5000)
     for count, _ in enumerate(generation, 1):
         if count == 5:
             break
@@ -486,9 +463,7 @@ def test_closing_the_reader_in_an_event_loop_never_waits_for_the_thread(where: s
     # the reader there: a join would stall the loop until the next token. A worker thread that
     # closes it still waits for the generation, as documented.
     model = FakeModel(step=0.5)
-    generation = generate_in_thread(
-        model.generate, token=CancelToken(), streamer=FakeStreamer(), max_new_tokens=5000
-    )
+    generation = streamed(model, max_new_tokens=5000)
     reader = cast(Generator[str, None, None], iter(generation))
     assert next(reader) == "t1 "
     waited: list[float] = []
@@ -539,9 +514,7 @@ def test_error_of_a_stopped_generation_is_logged_not_raised(
     model = FakeModel(first_token_delay=0.1)
     token, fire = fired_token()
     fire()
-    generation = generate_in_thread(
-        model.generate, token=token, streamer=FakeStreamer(), max_new_tokens=9, fail_at=1
-    )
+    generation = streamed(model, token, max_new_tokens=9, fail_at=1)
     with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
         assert list(generation) == []
     assert "a stopped generate() raised" in caplog.text
