@@ -22,8 +22,9 @@ import pytest
 import asgi_cancel.llama_cpp
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelToken, detach, shield
 from asgi_cancel.llama_cpp import CancelCriterion, stream
-from asgi_cancel.testing import ClientConnection
 from asgi_cancel.types import Receive, Scope, Send
+
+from .helpers import leave
 
 PROMPT = 5
 
@@ -247,13 +248,10 @@ async def test_two_generations_in_one_request_the_cancel_during_the_second(
         results["finish"] = await anyio.to_thread.run_sync(second)
         await send({"type": "http.response.start", "status": 200, "headers": []})
 
-    conn = ClientConnection()
-    with caplog.at_level(logging.WARNING, logger="asgi_cancel"), anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(conn.run, CancelOnDisconnectMiddleware(app))
-            await anyio.to_thread.run_sync(started.wait)
-            conn.disconnect()
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        conn = await leave(CancelOnDisconnectMiddleware(app), when=started.is_set)
         await anyio.sleep(quick_watch * 4)
+    assert conn.app_exception is None
     assert results["second"].stopped
     assert not results["first"].stopped
     assert warned(caplog) == []
@@ -306,12 +304,8 @@ async def test_under_the_middleware_the_disconnect_stops_the_thread_unless_shiel
     results: dict[str, Any] = {}
     started = threading.Event()
     app = CancelOnDisconnectMiddleware(generation_app(wrap, results, started))
-    conn = ClientConnection()
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(conn.run, app)
-            await anyio.to_thread.run_sync(started.wait)
-            conn.disconnect()
+    conn = await leave(app, when=started.is_set)
+    assert conn.app_exception is None
     assert results["done"]  # conn.run returned once the app did
     criterion: CancelCriterion = results["criterion"]
     usage = criterion.token.usage if criterion.token is not None else None
