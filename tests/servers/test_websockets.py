@@ -220,11 +220,8 @@ def test_listening_session_ends_by_itself(
         ws.send_text("hello")
         assert ws.read_text() == "hello"
         closed_at, _ = ws.leave_politely(leave)
-    exit_event = server.events.wait_for(rid, "exit", timeout=WATCHDOG)
+    disconnect, done = assert_listener_ended(server, rid)
     events = server.events.of(rid)
-    disconnect, done = one(events, "disconnect_message"), one(events, "done")
-    assert exit_event["outcome"] == "returned"
-    assert not of(events, "cancelled"), events
     assert disconnect["code"] in close_codes(server, leave), disconnect
     hooks = of(events, "hook")
     if prefix == "bare":
@@ -310,12 +307,14 @@ def assert_all_received(
     return one(events, "held")
 
 
-def assert_listener_ended(server: Server, rid: str) -> None:
-    server.events.wait_for(rid, "exit", timeout=WATCHDOG)
+def assert_listener_ended(server: Server, rid: str) -> tuple[Event, Event]:
+    """The app, listening, got the disconnect once and returned by itself, uncancelled: its
+    disconnect message and its end."""
+    exit_event = server.events.wait_for(rid, "exit", timeout=WATCHDOG)
     events = server.events.of(rid)
-    one(events, "disconnect_message")
-    one(events, "done")
+    assert exit_event["outcome"] == "returned"
     assert not of(events, "cancelled"), events
+    return one(events, "disconnect_message"), one(events, "done")
 
 
 @pytest.mark.parametrize("leave", [CLOSE_1000, RST])
