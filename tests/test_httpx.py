@@ -152,6 +152,7 @@ def internal(scheme: str, host: str, port: int | None) -> bool:
     return host.endswith(".internal")
 
 
+API = "http://api.example.com/"  # a host no test configures
 COPIED = {"x-request-id": "client-chosen", "x-request-timeout": "10m"}
 FORWARDED: dict[str, tuple[ForwardTo, str, dict[str, str] | None, bool]] = {
     "host": (["up"], "http://up/", None, True),
@@ -162,7 +163,7 @@ FORWARDED: dict[str, tuple[ForwardTo, str, dict[str, str] | None, bool]] = {
     # hop's id nor a longer deadline.
     "the-gateways-own-win": (["up"], "http://up/", COPIED, True),
     "default-nowhere": ((), "http://up/", None, False),
-    "other-host": (["up"], "http://api.example.com/", None, False),
+    "other-host": (["up"], API, None, False),
     "other-port": (["up:8000"], "http://up:9000/", None, False),
 }
 
@@ -182,24 +183,12 @@ async def test_the_id_and_the_remaining_deadline_go_to_the_hosts_configured_only
 
 REDIRECTS: dict[str, tuple[ForwardTo, str, str, dict[str, str] | None, list[str | None]]] = {
     # forward_to, the call, where its answer redirects, what the app copied: each hop's id
-    "away-to-another-host": (["up"], "http://up/", "http://api.example.com/", None, ["fw", None]),
-    "away-over-the-apps-own": (
-        ["up"],
-        "http://up/",
-        "http://api.example.com/",
-        COPIED,
-        ["fw", None],
-    ),
+    "away-to-another-host": (["up"], "http://up/", API, None, ["fw", None]),
+    "away-over-the-apps-own": (["up"], "http://up/", API, COPIED, ["fw", None]),
     "to-a-host-configured": (["up", "b:8000"], "http://up/", "http://b:8000/", None, ["fw", "fw"]),
     "within-the-host": (["up"], "http://up/", "/next", None, ["fw", "fw"]),
     # Not ours to take away: the app's own headers to a host not configured, as without us.
-    "the-apps-own-elsewhere": (
-        ["up"],
-        "http://a.example.com/",
-        "http://api.example.com/",
-        COPIED,
-        ["client-chosen", "client-chosen"],
-    ),
+    "the-apps-own-elsewhere": (["up"], "http://a.example.com/", API, COPIED, ["client-chosen"] * 2),
 }
 
 

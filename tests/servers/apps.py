@@ -396,70 +396,67 @@ def build_wire() -> ASGIApp:
 
 
 def build_gateway(kind: str) -> ASGIApp:
-    import httpx
+    """The gateways of the module's docstring: `kind` is `binding`, `middleware`, `plain` or
+    `aiohttp`."""
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
     from starlette.requests import Request
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Mount, Route
 
-    from asgi_cancel.httpx import CancelTransport
-
     upstream = f"http://127.0.0.1:{os.environ.get('CHAIN_BACKEND_PORT', '0')}"
-    transport = CancelTransport(forward_to=["127.0.0.1"]) if kind == "binding" else None
-    client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(60.0))
+    if kind == "aiohttp":
+        import aiohttp
 
-    async def proxy_slow(request: Request) -> Response:
-        answer = await client.get(f"{upstream}/slow", params=request.query_params)
-        return Response(answer.content, status_code=answer.status_code)
+        from asgi_cancel.aiohttp import cancel_trace_config
 
-    async def proxy_stream(request: Request) -> Response:
-        outgoing = client.build_request("GET", f"{upstream}/stream", params=request.query_params)
-        answer = await client.send(outgoing, stream=True)
-        return StreamingResponse(answer.aiter_raw(), background=BackgroundTask(answer.aclose))
+        trace_configs = [cancel_trace_config(forward_to=["127.0.0.1"])]
+        session = aiohttp.ClientSession(trace_configs=trace_configs)
+
+        async def proxy_slow(request: Request) -> Response:
+            async def call() -> bytes:
+                params = dict(request.query_params)
+                async with session.get(f"{upstream}/slow", params=params) as answer:
+                    return await answer.read()
+
+            # In a task of its own, as a gateway fanning out would: the binding stops it.
+            body = await asyncio.get_running_loop().create_task(call())
+            return Response(body)
+
+        async def proxy_stream(request: Request) -> Response:
+            answer = await session.get(f"{upstream}/stream", params=dict(request.query_params))
+
+            async def chunks() -> AsyncIterator[bytes]:
+                async for piece in answer.content.iter_any():
+                    yield piece
+
+            return StreamingResponse(chunks(), background=BackgroundTask(answer.release))
+
+    else:
+        import httpx
+
+        from asgi_cancel.httpx import CancelTransport
+
+        transport = CancelTransport(forward_to=["127.0.0.1"]) if kind == "binding" else None
+        client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(60.0))
+
+        async def proxy_slow(request: Request) -> Response:
+            answer = await client.get(f"{upstream}/slow", params=request.query_params)
+            return Response(answer.content, status_code=answer.status_code)
+
+        async def proxy_stream(request: Request) -> Response:
+            outgoing = client.build_request(
+                "GET", f"{upstream}/stream", params=request.query_params
+            )
+            answer = await client.send(outgoing, stream=True)
+            return StreamingResponse(answer.aiter_raw(), background=BackgroundTask(answer.aclose))
 
     routes = [Route("/slow", proxy_slow), Route("/stream", proxy_stream), Mount("/", table)]
     gateway = Starlette(routes=routes)
     if kind == "plain":
         return gateway
-    registry = CancelRegistry() if kind == "binding" else None
+    registry = None if kind == "middleware" else CancelRegistry()
     return CancelOnDisconnectMiddleware(gateway, registry=registry)
-
-
-def build_aiohttp_gateway() -> ASGIApp:
-    import aiohttp
-    from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
-    from starlette.requests import Request
-    from starlette.responses import Response, StreamingResponse
-    from starlette.routing import Mount, Route
-
-    from asgi_cancel.aiohttp import cancel_trace_config
-
-    upstream = f"http://127.0.0.1:{os.environ.get('CHAIN_BACKEND_PORT', '0')}"
-    session = aiohttp.ClientSession(trace_configs=[cancel_trace_config(forward_to=["127.0.0.1"])])
-
-    async def proxy_slow(request: Request) -> Response:
-        async def call() -> bytes:
-            params = dict(request.query_params)
-            async with session.get(f"{upstream}/slow", params=params) as answer:
-                return await answer.read()
-
-        # In a task of its own, as a gateway fanning out would: the binding stops it.
-        body = await asyncio.get_running_loop().create_task(call())
-        return Response(body)
-
-    async def proxy_stream(request: Request) -> Response:
-        answer = await session.get(f"{upstream}/stream", params=dict(request.query_params))
-
-        async def chunks() -> AsyncIterator[bytes]:
-            async for piece in answer.content.iter_any():
-                yield piece
-
-        return StreamingResponse(chunks(), background=BackgroundTask(answer.release))
-
-    routes = [Route("/slow", proxy_slow), Route("/stream", proxy_stream), Mount("/", table)]
-    return CancelOnDisconnectMiddleware(Starlette(routes=routes), registry=CancelRegistry())
 
 
 def build_cluster() -> ASGIApp:
@@ -553,6 +550,6 @@ wire = built_on_first_call(build_wire)
 gateway = built_on_first_call(lambda: build_gateway("binding"))
 gateway_middleware_only = built_on_first_call(lambda: build_gateway("middleware"))
 gateway_plain = built_on_first_call(lambda: build_gateway("plain"))
-gateway_aiohttp = built_on_first_call(build_aiohttp_gateway)
+gateway_aiohttp = built_on_first_call(lambda: build_gateway("aiohttp"))
 cluster = built_on_first_call(build_cluster)
 metrics = built_on_first_call(build_metrics)
