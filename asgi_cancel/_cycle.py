@@ -11,12 +11,13 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator
+from functools import partial
 from time import monotonic
 from typing import Any, Generic, TypeVar
 
 from ._backend import Lane, Served
 from ._messages import DISCONNECT, announces_body, response_complete
-from ._report import report_cancelled
+from ._report import report_stopped
 from ._scope import CancelScope
 from ._servers import in_send
 from ._states import (
@@ -29,11 +30,11 @@ from ._states import (
     WATCHING,
     Options,
     dropped,
-    dropped_send,
     released,
+    stopped_send,
 )
 from ._token import bind, unbind
-from .types import CancelledRequest, Message, Receive, Scope, Send
+from .types import Message, Receive, Scope, Send
 
 logger = logging.getLogger("asgi_cancel")
 _MAKING = threading.Lock()
@@ -104,7 +105,7 @@ class Cycle(Generic[L]):
         # The response start goes through `real_send` (`_tracking` may wrap it), the rest
         # straight to the server's.
         self.real_send = self.server_send = send
-        self.target: Callable[[Message], Awaitable[None]] = self._send_start
+        self.target: Callable[[Message], Awaitable[None]] = self.send_start
         self.options = options
         self.make_lane = make_lane  # the backend's lane: a request that never needs one has none
         self.state = READING_BODY
@@ -233,33 +234,11 @@ class Cycle(Generic[L]):
         self.last_sent = message
         return self.target(message)
 
-    def _send_start(self, message: Message) -> Awaitable[None]:
+    def send_start(self, message: Message) -> Awaitable[None]:
         # The first message (the response start), which may carry the request's id.
         self.first_sent = message
         self.target = self.server_send
         return self.real_send(message)
-
-    def _send_start_held(self, message: Message) -> Awaitable[None]:
-        # The watcher waits for the server to have taken the response start before it reads
-        # (`Expect: 100-continue`: the server then sends no 100).
-        return self._wake_after(self._send_start(message))
-
-    async def _wake_after(self, sending: Awaitable[None]) -> None:
-        try:
-            await sending
-        finally:
-            self.holding = False
-            self.wake()
-
-    def _drop(self, message: Message) -> Awaitable[None]:
-        # A stopped request's send: dropped. While the lane holds the app's cancellation (for
-        # its worker thread), a checkpoint too: the cancellation lands at the app's first await
-        # after the thread, in a loop of thread calls and sends (a generation stepped in a
-        # thread) this one.
-        scope = self._scope
-        if scope is not None and scope.held and not scope.issued:
-            return self.ensure_lane().checkpoint()
-        return dropped_send()
 
     def wake(self) -> None:
         if self.lane is not None:
@@ -269,12 +248,6 @@ class Cycle(Generic[L]):
     def watchable(self) -> bool:
         """Whether there is anything left to watch for (the watcher starts only if so)."""
         return self.disconnect is None and self.state is not FINISHED
-
-    def hold(self) -> None:
-        """The watcher waits for the app's first move (`Expect: 100-continue`): the app asks
-        for its body, or its response starts, once the server took the start."""
-        self.holding = True
-        self.target = self._send_start_held
 
     # -- stopping --------------------------------------------------------------------------------
     def body_completed(self) -> None:
@@ -338,18 +311,15 @@ class Cycle(Generic[L]):
         self.state = STOPPED
         self.stopped = stopped  # by `stop()`: the client may be there still
         self.stopped_with = status
-        self.target = self._drop  # the client is gone (or gets our answer): sends are dropped
+        # The client is gone (or gets our answer): sends are dropped.
+        self.target = partial(stopped_send, self)
         started = self.first_sent is not None
         # What the server got last: `send()` records the app's dropped messages too.
         self.delivered = self.last_sent if started else None
         scope = self.cancel_scope
         scope.fire(reason)
-        request = CancelledRequest(
-            self.scope, reason, monotonic() - self.started_at, started, scope.add_usage()
-        )
         # What the client gets: a stopped stream is cut; otherwise the status.
-        reported = None if stopped and started else status
-        report_cancelled(request, scope, reported, self.options.on_cancelled)
+        report_stopped(self, scope, reason, started, None if stopped and started else status)
         scope.cancel_app(listening=listening)
 
     # -- the end -------------------------------------------------------------------------------

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 from collections.abc import Callable
 from time import monotonic
 from typing import Protocol, cast
 
 from ._backend import library, running_library
+from ._registry_tables import Stoppable as Stoppable
+from ._registry_tables import Table, forget, stop_in
 from ._token import current_request
 from ._validate import header_name, seconds, valid_request_id
 
@@ -29,20 +30,6 @@ CANCELLED_STATUS = 499
 THREAD_TIMEOUT = 10.0
 # Cancels of ids that no request held, remembered at most (the oldest are forgotten first).
 MAX_REMEMBERED = 10_000
-
-
-class Stoppable(Protocol):
-    """A running request as the registry sees it (the middleware's cycle)."""
-
-    def stop(self, reason: str, status: int) -> bool:
-        """Fire the token, cancel the app, complete the response; False if there was nothing
-        to stop (the response was complete, or the request already cancelled)."""
-
-
-# One thread's running requests: id -> {request: its loop's call_soon_threadsafe}. Only that
-# thread's event loop changes it, so registering needs no lock; other threads copy it (one
-# C-level copy, atomic under the GIL) to look a request up.
-_Table = dict[str, dict["Stoppable", Callable[[Callable[[], object]], object]]]
 
 
 class Broker(Protocol):
@@ -104,7 +91,7 @@ class CancelRegistry:
     ) -> None:
         self.header = header_name("header", header).decode("ascii")
         self.remember = seconds("remember", remember)
-        self._tables: dict[int, _Table] = {}  # by thread: each changed by its own loop only
+        self._tables: dict[int, Table] = {}  # by thread: each changed by its own loop only
         self._lock = threading.Lock()  # for the remembered cancels
         self._remembered: dict[str, float] = {}  # id -> when it is forgotten
         # Running requests' aliases (`alias()`); changed by each request's own loop, as the
@@ -150,7 +137,7 @@ class CancelRegistry:
             TimeoutError: called from a thread with no event loop, the request's event loop
                 did not run the stop within 10 seconds (a blocked loop).
         """
-        stopped, handed = self._stop_here(request_id, reason)
+        stopped, handed = stop_in(self._tables, request_id, reason, CANCELLED_STATUS)
         if handed:
             if running_library() is not None:
                 stopped = True
@@ -189,7 +176,7 @@ class CancelRegistry:
         """Cancel the request(s) with this id that run in this process, waiting for other
         threads' event loops without blocking this one. What a broker calls for a cancel from
         another process."""
-        stopped, handed = self._stop_here(request_id, reason)
+        stopped, handed = stop_in(self._tables, request_id, reason, CANCELLED_STATUS)
         found = library()
         if not handed or found is None:
             return stopped or bool(handed)
@@ -273,48 +260,6 @@ class CancelRegistry:
             self._broker_idle = False
             self.broker.start_soon()
 
-    def _stop_here(
-        self, request_id: str, reason: str
-    ) -> tuple[bool, list[concurrent.futures.Future[bool]]]:
-        """Stop this thread's requests with the id; hand the others' stops to their loops.
-        Never the caller's own request (a cancel sent with the id it cancels)."""
-        here = threading.get_ident()
-        caller: object = current_request()
-        stopped = False
-        handed: list[concurrent.futures.Future[bool]] = []
-        for thread, table in list(self._tables.items()):
-            for cycle, call_soon_threadsafe in list(table.get(request_id, {}).items()):
-                if cycle is caller:
-                    continue
-                if thread == here:
-                    stopped = cycle.stop(reason, CANCELLED_STATUS) or stopped
-                else:
-                    future = self._hand_over(cycle, call_soon_threadsafe, reason)
-                    if future is not None:
-                        handed.append(future)
-        return stopped, handed
-
-    @staticmethod
-    def _hand_over(
-        cycle: Stoppable,
-        call_soon_threadsafe: Callable[[Callable[[], object]], object],
-        reason: str,
-    ) -> concurrent.futures.Future[bool] | None:
-        """Have the request's own loop stop it; the future of its answer (None: loop gone)."""
-        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(cycle.stop(reason, CANCELLED_STATUS))
-            except BaseException as exc:  # pragma: no cover - stop() logs and absorbs
-                future.set_exception(exc)
-
-        try:
-            call_soon_threadsafe(run)
-        except RuntimeError:  # the loop is closed: the request is over
-            return None
-        return future
-
     # -- for the middleware ------------------------------------------------------------------
     def register(
         self,
@@ -340,15 +285,7 @@ class CancelRegistry:
         table = self._tables.get(threading.get_ident())
         if table is None:
             return
-        _forget(table, request_id, cycle)
+        forget(table, request_id, cycle)
         if self._aliases:
             for alias in self._aliases.pop(cycle, ()):
-                _forget(table, alias, cycle)
-
-
-def _forget(table: _Table, request_id: str, cycle: Stoppable) -> None:
-    entries = table.get(request_id)
-    if entries is not None:
-        entries.pop(cycle, None)
-        if not entries:
-            del table[request_id]
+                forget(table, alias, cycle)

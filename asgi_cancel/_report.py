@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from time import monotonic
+from typing import Any, Protocol
 
 from ._scope import CancelScope
+from ._states import Options
 from .types import CancelledRequest, OnCancelled, Scope
 
 logger = logging.getLogger("asgi_cancel")
@@ -125,6 +127,37 @@ def report_cancelled(
             "on_cancelled returned %r: return None, or a callable to call when the request is over",
             when_over,
         )
+
+
+class Stopped(Protocol):
+    """What `report_stopped` reads of a request its middleware stopped: an HTTP cycle, a
+    websocket session."""
+
+    scope: Scope
+    started_at: float
+    options: Options
+
+
+def report_stopped(
+    request: Stopped,
+    cancel_scope: CancelScope,
+    reason: str,
+    started: bool,
+    status: int | None,
+    close_code: int | None = None,
+) -> None:
+    """`report_cancelled` for a request the middleware stopped: its `CancelledRequest`, timed
+    from the request's start, with what an engine spent on it so far (`started`: its response,
+    or a session's handshake, had begun)."""
+    cancelled = CancelledRequest(
+        request.scope,
+        reason,
+        monotonic() - request.started_at,
+        started,
+        cancel_scope.add_usage(),
+        close_code=close_code,
+    )
+    report_cancelled(cancelled, cancel_scope, status, request.options.on_cancelled)
 
 
 _WHEN = {

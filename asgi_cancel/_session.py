@@ -19,12 +19,12 @@ from time import monotonic
 from typing import Any, Generic, TypeVar
 
 from ._backend import Lane, Served
-from ._report import report_cancelled
+from ._report import report_stopped
 from ._responses import WEBSOCKET_CLOSE_CODES
 from ._scope import CancelScope
 from ._states import DISCONNECTED_STATUS, REASON, Options
 from ._token import bind, unbind
-from .types import CancelledRequest, Message, Receive, Scope, Send
+from .types import Message, Receive, Scope, Send
 
 __all__ = ["MESSAGE_COST", "Session"]
 
@@ -244,15 +244,7 @@ class Session(Generic[L]):
         self.stopped_with = code if code is not None else DISCONNECTED_STATUS
         scope = self.cancel_scope
         scope.fire(reason)
-        request = CancelledRequest(
-            self.scope,
-            reason,
-            monotonic() - self.started_at,
-            accepted,
-            scope.add_usage(),
-            close_code=code,
-        )
-        report_cancelled(request, scope, None if stopped else code, self.options.on_cancelled)
+        report_stopped(self, scope, reason, accepted, None if stopped else code, close_code=code)
         if cancel:
             scope.cancel_app(listening=listening)
 

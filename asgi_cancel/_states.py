@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .types import Message, OnCancelled
+
+if TYPE_CHECKING:
+    from ._backend import Lane
+    from ._cycle import Cycle
 
 __all__ = [
     "DISCONNECTED_STATUS",
@@ -22,6 +26,7 @@ __all__ = [
     "dropped",
     "dropped_send",
     "released",
+    "stopped_send",
 ]
 
 REASON = "client disconnected"
@@ -58,6 +63,18 @@ async def dropped_send() -> None:
 def dropped(message: Message) -> Awaitable[None]:
     """A send once the client is gone: dropped. Dropping is what every server does, except
     hypercorn over HTTP/2 after the TCP connection closed, where send() would hang forever."""
+    return dropped_send()
+
+
+def stopped_send(cycle: Cycle[Any], message: Message) -> Awaitable[None]:
+    """A stopped request's send (its cycle's, bound with `partial`): dropped. While the lane
+    holds the app's cancellation (for its worker thread), a checkpoint too: the cancellation
+    lands at the app's first await after the thread, in a loop of thread calls and sends (a
+    generation stepped in a thread) this one."""
+    scope = cycle._scope
+    if scope is not None and scope.held and not scope.issued:
+        lane: Lane = cycle.ensure_lane()
+        return lane.checkpoint()
     return dropped_send()
 
 

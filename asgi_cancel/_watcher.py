@@ -1,7 +1,8 @@
 """The watchers: the one caller of the server's `receive()`, reading ahead of the app (bounded)
 until the disconnect, which they hand to their request (`client_left`). `watch` serves an HTTP
-request from the end of its body on (or at once, for one that has none); `watch_session` a
-websocket connection, from its start.
+request from the end of its body on (or at once, for one that has none), after `hold()`ing
+for the app's first move when the client expects `100 Continue`; `watch_session` a websocket
+connection, from its start.
 
 Loop-agnostic: run in a task of its own (trio; asyncio behind a server it does not know) or
 stepped by hand (`_stepped.HandStepped`).
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 from ._cycle import Cycle
@@ -21,6 +23,7 @@ from ._servers import paused_reading, reading_of
 from ._session import FINISHED as SESSION_FINISHED
 from ._session import Session
 from ._states import FINISHED
+from .types import Message
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -63,7 +66,7 @@ async def watch(cycle: Cycle[Any]) -> None:
             # gunicorn): a call of ours would make the client upload a body the app may
             # refuse. Wait for the app to ask for it, or for its response to start (the
             # server then sends none).
-            cycle.hold()
+            hold(cycle)
             while cycle.holding and not (cycle.body_started or cycle.reading):
                 if not cycle.watchable():
                     return
@@ -119,6 +122,27 @@ async def watch(cycle: Cycle[Any]) -> None:
         # Whatever ended the watch, callers parked behind it must look again: they may now
         # have to read the server's receive themselves.
         lane.watch_ended()
+
+
+def hold(cycle: Cycle[Any]) -> None:
+    """The watcher waits for the app's first move (`Expect: 100-continue`): the app asks for
+    its body, or its response starts, once the server took the start."""
+    cycle.holding = True
+    cycle.target = partial(_send_start_held, cycle)
+
+
+def _send_start_held(cycle: Cycle[Any], message: Message) -> Awaitable[None]:
+    # The watcher waits for the server to have taken the response start before it reads
+    # (`Expect: 100-continue`: the server then sends no 100).
+    return _wake_after(cycle, cycle.send_start(message))
+
+
+async def _wake_after(cycle: Cycle[Any], sending: Awaitable[None]) -> None:
+    try:
+        await sending
+    finally:
+        cycle.holding = False
+        cycle.wake()
 
 
 async def watch_session(session: Session[Any]) -> None:
