@@ -46,9 +46,15 @@ class Listener:
         """End `task` (running `run()`). A cancel that meets redis-py's read timeout expiring in
         the same loop step is taken for that expiry and lost (async-timeout, on Python 3.10),
         so the cancel is repeated until the task ends, and the flag ends the loop at its next
-        turn (one ping interval) whatever happens to the cancels."""
+        turn (one ping interval) whatever happens to the cancels. Bounded: after
+        `health_timeout` (the longest any of its awaits may take) it is left, logged."""
         self.stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.health_timeout
         while not task.done():
+            if loop.time() >= deadline:
+                logger.warning("the broker's listener did not stop in %g s", self.health_timeout)
+                return
             task.cancel()
             await asyncio.wait({task}, timeout=0.05)
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
+from asgi_cancel._redis_listener import Listener
 from asgi_cancel.redis import RedisBroker
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
@@ -114,6 +115,51 @@ def test_aclose_ends_the_listener_when_its_cancel_meets_a_read_timeout(redis: Re
         closing.result(HEALTH)  # within a read timeout (0.15 s) of the block's end, not never
         assert listener.done()
         assert node.broker.connected is False
+
+
+def test_stopping_a_listener_that_never_ends_is_bounded_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Whatever the listener is stuck in (an await that swallows every cancel), closing the
+    # broker at shutdown gives up after health_timeout, and says so.
+    listener = Listener(
+        "redis://127.0.0.1:1/0",
+        ("c",),
+        connect_timeout=0.1,
+        health_timeout=0.3,
+        deliver=respond_nothing,
+        reachable=lambda client: None,
+    )
+
+    released = False
+
+    async def stubborn() -> None:
+        while not released:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                pass
+
+    async def main() -> float:
+        task = asyncio.get_running_loop().create_task(stubborn())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        await asyncio.wait_for(listener.stop(task), WATCHDOG)
+        waited = time.monotonic() - started
+        assert not task.done()
+        nonlocal released
+        released = True  # (the test's own clean-up)
+        await asyncio.wait_for(task, WATCHDOG)
+        return waited
+
+    assert 0.3 <= asyncio.run(main()) < WATCHDOG
+    assert [r.getMessage() for r in caplog.records if r.levelno >= WARNING] == [
+        "the broker's listener did not stop in 0.3 s"
+    ]
+
+
+async def respond_nothing(data: object) -> None:
+    pass
 
 
 @pytest.mark.parametrize("aliased", [True, False], ids=["aliased", "control-no-alias"])
