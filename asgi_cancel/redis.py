@@ -202,7 +202,8 @@ class RedisBroker:
 
     async def aclose(self) -> None:
         """Stop listening and close the connection (at the app's shutdown; optional: the
-        event loop's end does the same). Cancels are local from then on."""
+        event loop's end does the same). Cancels are local from then on. Waits for the
+        listener `health_timeout` at most (then logged and left)."""
         task, self._task = self._task, None
         if task is not None and self._listener is not None:
             await self._listener.stop(task)
