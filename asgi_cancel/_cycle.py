@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 from ._backend import Lane, Served
 from ._messages import DISCONNECT, announces_body, response_complete
 from ._report import report_stopped
-from ._scope import CancelScope
+from ._scope import CancelScope, detached
 from ._servers import in_send
 from ._states import (
     DISCONNECTED_STATUS,
@@ -137,10 +137,6 @@ class Cycle(Generic[L]):
         """A cancellation ended the app: whether it was the request's own."""
         scope = self._scope
         return scope is not None and scope.absorbs()
-
-    def detached(self) -> bool:
-        scope = self._scope
-        return scope is not None and scope.detached
 
     def __await__(self) -> Generator[Any, None, Any]:
         """The rest of the app, once its first step was taken by hand: its coroutine's own
@@ -289,7 +285,7 @@ class Cycle(Generic[L]):
         if none started). Returns False if there was nothing to stop: the response was
         complete, the request was already stopped or over, or it was `detach()`ed (it runs
         to its end, and the client gets its response)."""
-        if self.disconnect is not None or self.response_complete() or self.detached():
+        if self.disconnect is not None or self.response_complete() or detached(self._scope):
             return False
         if self.state is not READING_BODY and self.state is not WATCHING:
             return False  # pragma: no cover - a disconnect is cached in every other state

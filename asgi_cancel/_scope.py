@@ -20,7 +20,7 @@ from typing import Any
 
 from ._backend import Canceller, Timer, library
 
-__all__ = ["CancelScope", "TokenUsage"]
+__all__ = ["CancelScope", "TokenUsage", "detached"]
 
 logger = logging.getLogger("asgi_cancel")
 
@@ -259,3 +259,9 @@ class CancelScope:
 
 def _noop() -> None:
     pass
+
+
+def detached(scope: CancelScope | None) -> bool:
+    """Whether a request's scope (None: not made yet) was `detach()`ed: a stop by id or by a
+    deadline leaves such a request to run to its end, and its client gets its response."""
+    return scope is not None and scope.detached

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 from ._backend import Lane, Served
 from ._report import report_stopped
 from ._responses import WEBSOCKET_CLOSE_CODES
-from ._scope import CancelScope
+from ._scope import CancelScope, detached
 from ._states import DISCONNECTED_STATUS, REASON, Options
 from ._token import bind, unbind
 from .types import Message, Receive, Scope, Send
@@ -222,8 +222,7 @@ class Session(Generic[L]):
         False if there was nothing to stop (or the session was `detach()`ed)."""
         if self.disconnect is not None or self.phase not in (HANDSHAKE, OPEN):
             return False
-        scope = self._scope
-        if scope is not None and scope.detached:
+        if detached(self._scope):  # it runs to its end
             return False
         code = WEBSOCKET_CLOSE_CODES + status
         said = _close_reason(reason)

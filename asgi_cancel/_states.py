@@ -71,8 +71,8 @@ def stopped_send(cycle: Cycle[Any], message: Message) -> Awaitable[None]:
     holds the app's cancellation (for its worker thread), a checkpoint too: the cancellation
     lands at the app's first await after the thread, in a loop of thread calls and sends (a
     generation stepped in a thread) this one."""
-    scope = cycle._scope
-    if scope is not None and scope.held and not scope.issued:
+    scope = cycle.cancel_scope  # (made by the stop)
+    if scope.held and not scope.issued:
         lane: Lane = cycle.ensure_lane()
         return lane.checkpoint()
     return dropped_send()

@@ -332,6 +332,27 @@ async def test_a_session_cancelled_by_id_is_closed_with_4499_and_a_reason_that_f
     assert closed == {"type": "websocket.close", "code": 4499, "reason": reason}
 
 
+async def test_a_detached_session_is_not_stopped_by_id_and_runs_to_its_end() -> None:
+    registry = CancelRegistry()
+    events: list[object] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await accept(receive, send)
+        with detach():
+            events.append("saving")
+            await anyio.sleep(0.1)  # the cancel comes meanwhile
+            events.append("saved")
+        await send({"type": "websocket.close", "code": 1000})
+
+    server = QueueServer(CONNECT)
+    scope = ws_scope([(b"x-request-id", b"session-1")])
+    async with session(app, server, scope, registry=registry):
+        await until(lambda: bool(events))
+        events.append(("cancel", registry.cancel("session-1")))
+    assert events == ["saving", ("cancel", False), "saved"]
+    assert server.sent[-1] == {"type": "websocket.close", "code": 1000}
+
+
 async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
     """Stopped by id while the app listens: it gets the made-up disconnect, and so does every
     later receive(), even once the client has sent more (the watcher still waited for it)."""
