@@ -358,9 +358,11 @@ async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
     later receive(), even once the client has sent more (the watcher still waited for it)."""
     registry = CancelRegistry()
     seen: list[Any] = []
+    listening: list[bool] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await accept(receive, send)
+        listening.append(True)  # (no checkpoint until receive() parks: the test then goes on)
         seen.append((await receive()).get("code"))
         await anyio.sleep(0.05)  # the client's message comes meanwhile
         seen.append((await receive()).get("code"))
@@ -368,7 +370,9 @@ async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
     server = QueueServer(CONNECT)
     scope = ws_scope([(b"x-request-id", b"s-2")])
     async with session(app, server, scope, registry=registry, grace=1.0):
-        await until(lambda: server.receive_calls >= 2)
+        # The app waits in receive() (listening: it gets the disconnect, and `grace`; one not
+        # yet there is cancelled at once) and the watcher in the server's.
+        await until(lambda: bool(listening) and server.receive_calls >= 2)
         assert registry.cancel("s-2")
         await anyio.sleep(0.01)
         server.put(text("sent after the stop"))
