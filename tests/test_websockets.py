@@ -43,8 +43,9 @@ GRACE = 0.05
 CONNECT: Message = {"type": "websocket.connect"}
 
 
-def ws_scope(headers: list[tuple[bytes, bytes]] | None = None) -> Scope:
-    return {"type": "websocket", "path": "/ws", "headers": headers or [], "subprotocols": []}
+def ws_scope(request_id: bytes | None = None) -> Scope:
+    headers = [] if request_id is None else [(b"x-request-id", request_id)]
+    return {"type": "websocket", "path": "/ws", "headers": headers, "subprotocols": []}
 
 
 def text(value: str) -> Message:
@@ -57,13 +58,15 @@ def gone(code: int = 1001, reason: str = "") -> Message:
 
 @contextlib.asynccontextmanager
 async def session(
-    app: ASGIApp, server: QueueServer, scope: Scope | None = None, **options: Any
-) -> AsyncIterator[None]:
-    """`app` under the middleware (`options`), serving one session to `server` while the block
-    runs; the block's end waits for it (watchdog'd)."""
+    app: ASGIApp, *messages: Message, scope: Scope | None = None, **options: Any
+) -> AsyncIterator[QueueServer]:
+    """`app` under the middleware (`options`), serving one session while the block runs to a
+    server whose client connects, then sends `messages`; the block's end waits for it
+    (watchdog'd)."""
+    server = QueueServer(CONNECT, *messages)
     middleware = CancelOnDisconnectMiddleware(app, **options)
     async with serving(middleware, scope or ws_scope(), server.receive, server.send):
-        yield
+        yield server
 
 
 def sent_types(server: QueueServer) -> list[str]:
@@ -100,8 +103,7 @@ async def test_a_client_that_leaves_stops_a_busy_session_once() -> None:
             await send({"type": "websocket.send", "text": "after"})  # dropped
             raise
 
-    server = QueueServer(CONNECT)
-    async with session(app, server, on_cancelled=records.append):
+    async with session(app, on_cancelled=records.append) as server:
         await until(lambda: len(server.sent) >= 3)
         server.put(gone(1001))
     assert events == [("cancelled", "client disconnected")]
@@ -125,8 +127,7 @@ async def test_a_disconnect_before_accept_stops_the_handshake() -> None:
             await anyio.sleep(30)  # checks a token with an identity provider
         await send({"type": "websocket.accept"})  # pragma: no cover
 
-    server = QueueServer(CONNECT)
-    async with session(app, server):
+    async with session(app) as server:
         await until(lambda: server.receive_calls >= 2)  # the watcher waits past the connect
         server.put(gone(1006))
     assert events == ["cancelled"]
@@ -225,9 +226,9 @@ async def test_messages_reach_the_app_in_order_and_the_read_ahead_is_bounded() -
             got.append(message["text"])
         await send({"type": "websocket.close", "code": 1000})
 
-    server = QueueServer(CONNECT, *(text(f"m{index:02}") for index in range(40)))
+    messages = [text(f"m{index:02}") for index in range(40)]
     # Each message counts its payload and 100 bytes: 3 fit in 400 bytes, a 4th does not.
-    async with session(app, server, read_ahead=400):
+    async with session(app, *messages, read_ahead=400) as server:
         await anyio.sleep(0.03)
         assert server.receive_calls <= 1 + 5  # the connect, then a few read ahead: bounded
     assert got == [f"m{index:02}" for index in range(40)]
@@ -247,8 +248,8 @@ async def test_the_read_ahead_counts_bytes_for_text_too(kind: str) -> None:
         await send({"type": "websocket.close", "code": 1000})
 
     key, value = ("bytes", payload.encode()) if kind == "bytes" else ("text", payload)
-    server = QueueServer(CONNECT, *({"type": "websocket.receive", key: value} for _ in range(6)))
-    async with session(app, server, read_ahead=4000):
+    messages = [{"type": "websocket.receive", key: value} for _ in range(6)]
+    async with session(app, *messages, read_ahead=4000) as server:
         await until(lambda: server.receive_calls >= 1 + 2)  # the connect, then two messages
         await anyio.sleep(0.05)
         assert server.receive_calls == 1 + 2  # and no more: the bound
@@ -266,8 +267,7 @@ async def test_the_disconnect_is_replayed_to_every_caller_as_a_fresh_message() -
         seen[0]["code"] = 0  # an app that changes its message changes nothing for others
         seen.append(await receive())
 
-    server = QueueServer(CONNECT)
-    async with session(app, server, grace=1.0):
+    async with session(app, grace=1.0) as server:
         await until(lambda: server.receive_calls >= 2)
         server.put(gone(4001, "bye"))
     assert [message["code"] for message in seen] == [0, 4001, 4001]
@@ -291,8 +291,7 @@ async def test_an_app_in_receive_gets_the_disconnect_first(reacts: bool) -> None
         with noting_cancellation(events):
             await anyio.sleep(30)
 
-    server = QueueServer(CONNECT)
-    async with session(app, server, grace=GRACE):
+    async with session(app, grace=GRACE) as server:
         await until(lambda: server.receive_calls >= 2)
         server.put(gone())
     expected = ["websocket.disconnect"] + ([] if reacts else ["cancelled"])
@@ -321,9 +320,7 @@ async def test_a_session_cancelled_by_id_is_closed_with_4499_and_a_reason_that_f
         ids.append(current_token().request_id)
         await anyio.sleep(30)
 
-    server = QueueServer(CONNECT)
-    scope = ws_scope([(b"x-request-id", b"session-1")])
-    async with session(app, server, scope, registry=registry):
+    async with session(app, scope=ws_scope(b"session-1"), registry=registry) as server:
         await until(lambda: bool(ids))
         assert registry.cancel("session-1", **given)
     assert ids == ["session-1"]
@@ -344,9 +341,7 @@ async def test_a_detached_session_is_not_stopped_by_id_and_runs_to_its_end() -> 
             events.append("saved")
         await send({"type": "websocket.close", "code": 1000})
 
-    server = QueueServer(CONNECT)
-    scope = ws_scope([(b"x-request-id", b"session-1")])
-    async with session(app, server, scope, registry=registry):
+    async with session(app, scope=ws_scope(b"session-1"), registry=registry) as server:
         await until(lambda: bool(events))
         events.append(("cancel", registry.cancel("session-1")))
     assert events == ["saving", ("cancel", False), "saved"]
@@ -367,9 +362,7 @@ async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
         await anyio.sleep(0.05)  # the client's message comes meanwhile
         seen.append((await receive()).get("code"))
 
-    server = QueueServer(CONNECT)
-    scope = ws_scope([(b"x-request-id", b"s-2")])
-    async with session(app, server, scope, registry=registry, grace=1.0):
+    async with session(app, scope=ws_scope(b"s-2"), registry=registry, grace=1.0) as server:
         # The app waits in receive() (listening: it gets the disconnect, and `grace`; one not
         # yet there is cancelled at once) and the watcher in the server's.
         await until(lambda: bool(listening) and server.receive_calls >= 2)
@@ -380,9 +373,8 @@ async def test_nothing_the_client_sends_after_a_stop_reaches_the_app() -> None:
 
 
 async def test_a_session_past_its_deadline_is_closed_with_4504() -> None:
-    server = QueueServer(CONNECT)
-    middleware = CancelOnDisconnectMiddleware(idle, session_timeout=0.05, timeout=0.001)
-    await with_watchdog(middleware(ws_scope(), server.receive, server.send))
+    async with session(idle, session_timeout=0.05, timeout=0.001) as server:
+        pass
     closed = {"type": "websocket.close", "code": 4504, "reason": "deadline exceeded"}
     assert server.sent[-1] == closed
 
@@ -392,12 +384,11 @@ async def test_a_malformed_id_refuses_the_handshake(denial: bool) -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         raise AssertionError("not called")  # pragma: no cover
 
-    server = QueueServer(CONNECT)
-    scope = ws_scope([(b"x-request-id", b"bad id\r\n")])
+    scope = ws_scope(b"bad id\r\n")
     if denial:
         scope["extensions"] = {"websocket.http.response": {}}
-    middleware = CancelOnDisconnectMiddleware(app, registry=CancelRegistry())
-    await with_watchdog(middleware(scope, server.receive, server.send))
+    async with session(app, scope=scope, registry=CancelRegistry()) as server:
+        pass
     if denial:
         assert sent_types(server) == [
             "websocket.http.response.start",
@@ -442,8 +433,7 @@ async def test_a_turn_cancelled_alone_leaves_the_session_open() -> None:
                 elif message["text"] == "response.cancel":
                     running[-1].cancel("response.cancel")
 
-    server = QueueServer(CONNECT, text("response.create"))
-    async with session(app, server):
+    async with session(app, text("response.create")) as server:
         await until(lambda: bool(running))
         server.put(text("response.cancel"))
         await until(lambda: "after the turn" in events)
@@ -484,8 +474,7 @@ async def test_a_turn_cancelled_alone_ends_there_and_only_there(how: str) -> Non
         events.append("session goes on")
         await send({"type": "websocket.close", "code": 1000})
 
-    server = QueueServer(CONNECT)
-    async with session(app, server):
+    async with session(app) as server:
         if how == "worker-thread":  # cancelled from outside, mid-generation
             await until(lambda: bool(running))
             await anyio.sleep(0.02)
@@ -516,18 +505,11 @@ async def test_a_closing_socket_cancels_the_turn_in_flight() -> None:
             responses.start_soon(respond)
             await anyio.sleep(30)
 
-    server = QueueServer(CONNECT)
-    async with session(app, server):
+    async with session(app) as server:
         await until(lambda: bool(tokens))
         server.put(gone(1001))
     assert events == [("turn cancelled", "client disconnected")]
     assert tokens[0].cancelled
-
-
-async def test_a_turn_outside_a_request_is_a_clear_error() -> None:
-    with pytest.raises(RuntimeError, match="outside a request"):
-        with turn():
-            pass  # pragma: no cover
 
 
 # What a commit inside a turn holds off the session's cancellation with, and what runs after it.
@@ -561,33 +543,29 @@ async def test_the_sessions_cancellation_goes_through_a_turn_in_its_task(
                 events.append("rest of the turn")
             await anyio.sleep(30)
 
-    server = QueueServer(CONNECT)
-    async with session(app, server):
+    async with session(app) as server:
         await until(lambda: "in the block" in events)
         server.put(gone(1001))
     assert events == ["in the block", *after]
 
 
-async def test_a_turn_entered_in_a_worker_thread_is_a_clear_error() -> None:
-    errors: list[str] = []
+async def test_a_turn_outside_a_request_or_in_a_worker_thread_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="outside a request"):
+        with turn():
+            pass  # pragma: no cover
 
     def in_thread() -> None:
-        try:
+        with pytest.raises(RuntimeError, match=r"turn\(\) was entered in a worker thread"):
             with turn():
                 pass  # pragma: no cover
-        except RuntimeError as error:
-            errors.append(str(error))
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await accept(receive, send)
         await anyio.to_thread.run_sync(in_thread)
         await send({"type": "websocket.close", "code": 1000})
 
-    server = QueueServer(CONNECT)
-    async with session(app, server):
+    async with session(app) as server:
         pass
-    assert len(errors) == 1
-    assert "turn() was entered in a worker thread" in errors[0]
     assert sent_types(server) == ["websocket.accept", "websocket.close"]
 
 
@@ -600,10 +578,8 @@ async def test_a_cancelled_session_is_logged_and_counted_with_its_phase_and_code
     from asgi_cancel.prometheus import CancelMetrics
 
     registry = CollectorRegistry()
-
-    server = QueueServer(CONNECT)
     with caplog.at_level("INFO", logger="asgi_cancel"):
-        async with session(idle, server, on_cancelled=CancelMetrics(registry=registry)):
+        async with session(idle, on_cancelled=CancelMetrics(registry=registry)) as server:
             await until(lambda: server.receive_calls >= 2)
             server.put(gone(1001))
     (line,) = [r for r in caplog.records if "cancelled after" in r.getMessage()]
