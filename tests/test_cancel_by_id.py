@@ -21,12 +21,9 @@ from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
 from .helpers import QueueServer, respond, running, slow_app, until, with_watchdog
+from .test_request_ids import ids_in, response_headers, with_header
 
 pytestmark = pytest.mark.anyio
-
-
-def with_id(request_id: str, path: str = "/") -> Scope:
-    return http_scope("GET", path, headers=[(b"x-request-id", request_id.encode())])
 
 
 def tracked_app(events: list[str], *, stream: bool = False) -> ASGIApp:
@@ -41,7 +38,7 @@ async def test_cancel_by_id_before_the_response_answers_499(from_thread: bool) -
     registry = CancelRegistry()
     middleware = CancelOnDisconnectMiddleware(tracked_app(events), registry=registry)
     results: list[bool] = []
-    async with running(middleware, with_id("abc")) as conn:
+    async with running(middleware, with_header(b"abc")) as conn:
         await until(lambda: "abc" in registry)
         if from_thread:
             thread = threading.Thread(target=lambda: results.append(registry.cancel("abc")))
@@ -65,7 +62,7 @@ async def test_cancel_by_id_mid_stream_ends_the_stream_cleanly() -> None:
     events: list[str] = []
     registry = CancelRegistry()
     middleware = CancelOnDisconnectMiddleware(tracked_app(events, stream=True), registry=registry)
-    async with running(middleware, with_id("s1")) as conn:
+    async with running(middleware, with_header(b"s1")) as conn:
         await conn.wait_for_body_chunks(1)
         assert registry.cancel("s1", reason="stopped by user") is True
     assert events == ["id:s1", "body:", "callback:stopped by user", "cancelled"]
@@ -90,7 +87,7 @@ async def test_a_finished_or_complete_request_is_not_cancelled(
 
     conn = ClientConnection(disconnect_after_response=disconnect_after_response)
     await with_watchdog(
-        conn.run(CancelOnDisconnectMiddleware(app, registry=registry), with_id("bg"))
+        conn.run(CancelOnDisconnectMiddleware(app, registry=registry), with_header(b"bg"))
     )
     assert seen == ["bg", False]
     assert [m["type"] for m in conn.sent] == ["http.response.start", "http.response.body"]
@@ -101,8 +98,8 @@ async def test_an_id_reused_by_two_running_requests_cancels_both() -> None:
     events: list[str] = []
     registry = CancelRegistry()
     middleware = CancelOnDisconnectMiddleware(tracked_app(events), registry=registry)
-    async with running(middleware, with_id("dup")) as first:
-        async with running(middleware, with_id("dup")) as second:
+    async with running(middleware, with_header(b"dup")) as first:
+        async with running(middleware, with_header(b"dup")) as second:
             await until(lambda: events.count("body:") == 2)
             assert registry.cancel("dup") is True
     assert events.count("cancelled") == 2
@@ -114,7 +111,7 @@ async def test_a_disconnected_request_is_not_cancelled_again_by_id() -> None:
     events: list[str] = []
     registry = CancelRegistry()
     middleware = CancelOnDisconnectMiddleware(tracked_app(events), registry=registry, watch_delay=0)
-    async with running(middleware, with_id("gone")) as conn:
+    async with running(middleware, with_header(b"gone")) as conn:
         await until(lambda: "gone" in registry)
         conn.disconnect()
         await until(lambda: "cancelled" in events)
@@ -141,60 +138,49 @@ async def call(app: ASGIApp, method: str, path: str, headers: Any = ()) -> Any:
     return conn.status, json.loads(conn.body)
 
 
-def headers_of(conn: ClientConnection) -> dict[bytes, bytes]:
-    return {bytes(name): bytes(value) for name, value in conn.sent[0]["headers"]}
-
-
 @pytest.mark.parametrize(
-    ("method", "path"),
-    [("POST", "/v1/requests/r1/cancel"), ("DELETE", "/v1/requests/r1")],
-    ids=["POST-cancel", "DELETE"],
+    ("method", "path", "reuse"),
+    [
+        ("POST", "/v1/requests/r1/cancel", False),
+        ("DELETE", "/v1/requests/r1", False),
+        ("POST", "/v1/requests/r1/cancel", True),
+    ],
+    ids=["POST-cancel", "DELETE", "reusing-the-id-it-cancels"],
 )
-async def test_the_endpoint_cancels_a_running_request(method: str, path: str) -> None:
+async def test_the_endpoint_cancels_a_running_request(method: str, path: str, reuse: bool) -> None:
+    """`reuse`: a client that reuses its correlation id on the cancel call. The endpoint, behind
+    the same middleware, is registered under it too: it stops the other request, not itself."""
     events: list[str] = []
     registry = CancelRegistry()
     middleware = CancelOnDisconnectMiddleware(tracked_app(events), registry=registry)
-    endpoint = cancel_endpoint(registry, authorize=require_header("x-cancel-secret", "s3cret"))
+    authorize = require_header("x-cancel-secret", "s3cret")
+    endpoint: ASGIApp = cancel_endpoint(registry, authorize=authorize)
     secret = [(b"x-cancel-secret", b"s3cret")]
-    async with running(middleware, with_id("r1")) as conn:
+    own_id = [(b"x-request-id", b"r1")] if reuse else []
+    if reuse:
+        endpoint = CancelOnDisconnectMiddleware(endpoint, registry=registry)
+    async with running(middleware, with_header(b"r1")) as conn:
         await until(lambda: "r1" in registry)
         assert await call(endpoint, method, path) == (403, {"error": "forbidden"})
         wrong = [(b"x-cancel-secret", b"nope")]
         assert (await call(endpoint, method, path, wrong))[0] == 403
         assert (await call(endpoint, "GET", path, secret))[0] == 405
         assert "cancelled" not in events  # refused calls stopped nothing
-        assert await call(endpoint, method, path, secret) == (200, {"id": "r1", "cancelled": True})
+        answer = await call(endpoint, method, path, secret + own_id)
+        assert answer == (200, {"id": "r1", "cancelled": True})
     assert conn.status == 499
     assert await call(endpoint, method, path, secret) == (404, {"id": "r1", "cancelled": False})
     assert (await call(endpoint, "POST", "/v1/requests/a/b/c", secret))[0] == 404
-
-
-async def test_a_cancel_sent_with_the_id_it_cancels_does_not_cancel_itself() -> None:
-    """A client that reuses its correlation id on the cancel call: the endpoint, behind the
-    same middleware, is registered under that id too; it stops the other request, not itself."""
-    events: list[str] = []
-    registry = CancelRegistry()
-    middleware = CancelOnDisconnectMiddleware(tracked_app(events), registry=registry)
-    endpoint = CancelOnDisconnectMiddleware(
-        cancel_endpoint(registry, authorize=None), registry=registry
-    )
-    async with running(middleware, with_id("r1")) as conn:
-        await until(lambda: "r1" in registry)
-        answer = await with_watchdog(
-            call(endpoint, "POST", "/v1/requests/r1/cancel", [(b"x-request-id", b"r1")])
-        )
-        assert answer == (200, {"id": "r1", "cancelled": True})
-    assert conn.status == 499
 
 
 async def test_the_endpoint_answers_with_the_id_in_the_registry_header() -> None:
     registry = CancelRegistry(header="X-Correlation-Id")
     endpoint = cancel_endpoint(registry, authorize=None)
     answer = await called(endpoint, "DELETE", "/v1/requests/gone-1")
-    assert (answer.status, headers_of(answer)[b"x-correlation-id"]) == (404, b"gone-1")
+    assert (answer.status, ids_in(answer, b"x-correlation-id")) == (404, [b"gone-1"])
     refused = await called(endpoint, "DELETE", "/v1/requests/bad%0Aid")
     assert refused.status == 400
-    assert b"x-correlation-id" not in headers_of(refused)  # no id echoed
+    assert ids_in(refused, b"x-correlation-id") == []  # no id echoed
 
 
 @pytest.mark.parametrize(
@@ -210,7 +196,7 @@ async def test_the_endpoint_says_which_method_a_path_takes(
     method: str, path: str, allowed: bytes
 ) -> None:
     conn = await called(cancel_endpoint(CancelRegistry(), authorize=None), method, path)
-    assert headers_of(conn)[b"allow"] == allowed
+    assert dict(response_headers(conn))[b"allow"] == allowed
     assert (conn.status, json.loads(conn.body)) == (405, {"error": f"use {allowed.decode()}"})
 
 

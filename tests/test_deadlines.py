@@ -16,10 +16,6 @@ from .helpers import respond, served, slow_app
 pytestmark = pytest.mark.anyio
 
 
-def timed(value: bytes, path: str = "/") -> Scope:
-    return http_scope("GET", path, headers=[(b"x-request-timeout", value)])
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["before-the-response", "mid-stream"])
 async def test_a_passed_deadline_answers_504_or_ends_a_started_stream_cleanly(stream: bool) -> None:
     events: list[str] = []
@@ -108,7 +104,7 @@ async def test_the_header_sets_the_deadline(
         timeout=configured,
         timeout_header="X-Request-Timeout",
     )
-    conn = await served(app, timed(header))
+    conn = await served(app, http_scope(headers=[(b"x-request-timeout", header)]))
     assert conn.status == status
     assert (events != []) is app_runs
     if status == 400:

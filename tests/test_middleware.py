@@ -71,10 +71,12 @@ PASSED_THROUGH = {
     ("scope_type", "options"), PASSED_THROUGH.values(), ids=list(PASSED_THROUGH)
 )
 async def test_scopes_passed_through_untouched(scope_type: str, options: dict[str, Any]) -> None:
+    """The app gets the server's own scope, receive and send; the server, what it returned."""
     seen: list[tuple[Scope, Receive, Send]] = []
 
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> object:
         seen.append((scope, receive, send))
+        return "a value"
 
     async def receive() -> Message:
         raise AssertionError("not called")
@@ -83,8 +85,9 @@ async def test_scopes_passed_through_untouched(scope_type: str, options: dict[st
         raise AssertionError("not called")
 
     scope: Scope = {"type": scope_type, "path": "/ws"}
-    await with_watchdog(CancelOnDisconnectMiddleware(app, **options)(scope, receive, send))
+    result = await with_watchdog(CancelOnDisconnectMiddleware(app, **options)(scope, receive, send))
     assert seen == [(scope, receive, send)]
+    assert result == "a value"
 
 
 @pytest.mark.parametrize(
@@ -132,32 +135,22 @@ async def test_app_exception_propagates_unchanged() -> None:
     assert info.value is error
 
 
-RETURNS = {
-    # (scope type, path, the app awaits before returning)
-    "http, after awaiting": ("http", "/", True),
-    "http, excluded": ("http", "/health", False),
-    "lifespan, passed through": ("lifespan", "/", False),
-}
-
-
-@pytest.mark.parametrize(("scope_type", "path", "awaits"), RETURNS.values(), ids=RETURNS)
-async def test_what_the_app_returned_reaches_the_server(
-    scope_type: str, path: str, awaits: bool
-) -> None:
+@pytest.mark.parametrize(
+    ("path", "awaits"), [("/", True), ("/health", False)], ids=["after-awaiting", "excluded"]
+)
+async def test_what_the_app_returned_reaches_the_server(path: str, awaits: bool) -> None:
     # A server reports an app that returns a value ("ASGI callable should return None"):
-    # behind the middleware it must still see it.
+    # behind the middleware it must still see it (as test_scopes_passed_through_untouched does).
     async def app(scope: Scope, receive: Receive, send: Send) -> object:
         if awaits:
             await anyio.sleep(0.001)
-        if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"ok"})
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
         return "a value"
 
     conn = ClientConnection()
-    scope = http_scope("GET", path) if scope_type == "http" else {"type": scope_type}
     middleware = CancelOnDisconnectMiddleware(app, exclude=("/health",))
-    result = await with_watchdog(middleware(scope, conn.receive, conn.send))
+    result = await with_watchdog(middleware(http_scope("GET", path), conn.receive, conn.send))
     assert result == "a value"
 
 

@@ -203,9 +203,6 @@ class ScriptedServer:
         self.sent_after_delivery: list[Message] = []  # after the middleware got the disconnect
         self.response_complete = False
 
-    def leave(self) -> None:
-        self.left.set()
-
     async def receive(self) -> Message:
         if self.disconnect_delivered:
             self.calls_after_disconnect += 1
@@ -256,11 +253,12 @@ def make_app(
     on_shutdown: Any,
 ) -> Any:
     step_number = 0
+    body_read = [False]  # the app has read the body (to its end, or to a disconnect)
 
     def reach_step() -> None:
         nonlocal step_number
         if schedule.leave == ("step", step_number):
-            server.leave()
+            server.left.set()  # the client leaves
         if schedule.shutdown_at_step == step_number:
             record.shutdown_requested = True
             on_shutdown()
@@ -286,6 +284,7 @@ def make_app(
         async with anyio.create_task_group() as group:
             for _ in range(behaviour.readers):
                 group.start_soon(reader, group)
+        body_read[0] = True
 
     def thread_work() -> None:
         record.threads_running += 1
@@ -320,17 +319,11 @@ def make_app(
                 with anyio.move_on_after(0.001):
                     record.poll_messages.append((await receive())["type"])
 
-    body_read = [False]
-
     async def cleanup() -> None:
         if behaviour.cleanup_awaits:
             with cleanup_scope():  # asyncio: ONE cancel, so this completes unshielded
                 await anyio.sleep(0.001)
         record.cleanup_done += 1
-
-    async def body_then(receive: Receive) -> None:
-        await read_body(receive)
-        body_read[0] = True
 
     async def handler(send: Send, receive: Receive) -> None:
         started = [False]
@@ -354,7 +347,7 @@ def make_app(
         await send({"type": "http.response.body", "body": b"done"})
 
     async def django_app(scope: Scope, receive: Receive, send: Send) -> None:
-        await body_then(receive)
+        await read_body(receive)
 
         async def listen() -> None:
             record.listener_started = True
@@ -379,12 +372,12 @@ def make_app(
                 await django_app(scope, receive, send)
                 return
             if behaviour.read == "early":
-                await body_then(receive)
+                await read_body(receive)
             for step in behaviour.before:
                 reach_step()
                 await run_step(step, send, receive, started)
             if behaviour.read == "late":
-                await body_then(receive)
+                await read_body(receive)
             reach_step()
             if not behaviour.respond:
                 await anyio.sleep_forever()
@@ -415,7 +408,7 @@ class Outcome:
     leftover_tasks: int = 0
 
 
-async def run_example(behaviour: Behaviour, schedule: Schedule) -> tuple[Record, ScriptedServer]:
+async def run_example(behaviour: Behaviour, schedule: Schedule) -> None:
     server = ScriptedServer(schedule)
     record = Record()
     outcome = Outcome()
@@ -455,7 +448,6 @@ async def run_example(behaviour: Behaviour, schedule: Schedule) -> tuple[Record,
     outcome.leftover_tasks = tasks_alive() - before
 
     check(behaviour, schedule, server, record, outcome)
-    return record, server
 
 
 def check(

@@ -14,7 +14,7 @@ import pytest
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry, current_token
 from asgi_cancel._token import current_request
 from asgi_cancel.testing import ClientConnection, http_scope
-from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
+from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
 from . import helpers
 from .helpers import WATCHDOG, noting_cancellation, respond, running, slow_app, until
@@ -222,23 +222,10 @@ async def test_a_cancel_by_an_alias_before_it_was_one_stops_the_request() -> Non
     assert len(registry) == 0
 
 
-class HypercornLike:
+class HypercornLike(helpers.QueueServer):
     """A server the middleware recognises by its `send` (hypercorn's h1 stream)."""
 
     __module__ = "hypercorn.protocol.http_stream"
-
-    def __init__(self) -> None:
-        self.sent: list[Message] = []
-        self.gone = anyio.Event()
-
-    async def receive(self) -> Message:
-        if not self.sent:
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: Message) -> None:
-        self.sent.append(message)
 
 
 @pytest.mark.parametrize("recognised", [True, False], ids=["hypercorn", "control-unknown"])
@@ -257,7 +244,7 @@ async def test_a_stopped_stream_is_still_cut_behind_the_id_on_the_response(
         with noting_cancellation(events):
             await anyio.sleep(WATCHDOG * 2)
 
-    server = HypercornLike()
+    server = HypercornLike(helpers.REQUEST_DONE)
     send = server.send if recognised else (lambda message: server.send(message))
     middleware = CancelOnDisconnectMiddleware(app, registry=registry)
     with anyio.fail_after(WATCHDOG):

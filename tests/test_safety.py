@@ -234,7 +234,10 @@ async def test_streaming_response_below_spec_2_4_with_sync_iterator() -> None:
 
 
 # -- 12. outside cancellations ------------------------------------------------------------------
-def sleeping_app(events: list[str]) -> ASGIApp:
+def sleeping_app(events: list[str], cleanup: str = "") -> ASGIApp:
+    """Starts a stream, then sleeps until cancelled; with a `cleanup` ("reraises", "raises-error"),
+    one that awaits (shielded), then re-raises the cancellation or raises an error of its own."""
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
@@ -247,7 +250,12 @@ def sleeping_app(events: list[str]) -> ASGIApp:
         try:
             await anyio.sleep_forever()
         finally:
+            if cleanup:
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(0.01)
             events.append("app ended")
+            if cleanup == "raises-error":
+                raise RuntimeError("cleanup failed") from None
 
     return app
 
@@ -258,36 +266,22 @@ def sleeping_app(events: list[str]) -> ASGIApp:
     ids=["connected", "disconnected", "cleanup-raises"],
 )
 async def test_level_triggered_outside_cancellation_is_reraised_or_the_apps_own_error(
-    disconnect: bool, cleanup: str, request: pytest.FixtureRequest
+    disconnect: bool, cleanup: str
 ) -> None:
     """Server shutdown as an outer anyio scope, which cancels on every loop iteration until it
     is left: no livelock, nothing left behind, and what the app raised reaches the server."""
     events: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"hello", "more_body": True})
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True):
-                await anyio.sleep(0.01)
-            events.append("cleanup done")
-            if cleanup == "raises-error":
-                raise RuntimeError("cleanup failed") from None
-            raise
-
+    app = CancelOnDisconnectMiddleware(sleeping_app(events, cleanup))
     conn = ClientConnection()
     before = tasks_alive()
     with anyio.fail_after(WATCHDOG), anyio.CancelScope() as outside:  # a livelock would spin
         async with anyio.create_task_group() as group:
-            group.start_soon(run_quietly, conn, CancelOnDisconnectMiddleware(app))
+            group.start_soon(run_quietly, conn, app)
             await conn.wait_for_body_chunks(1)
             if disconnect:
                 conn.disconnect()  # both in the same loop iteration
             outside.cancel()
-    assert events == ["cleanup done"]
+    assert events == ["app ended"]
     assert tasks_alive() == before
     with pytest.raises(RuntimeError):
         current_token()  # nothing of the request is left in the context

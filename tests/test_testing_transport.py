@@ -349,28 +349,15 @@ async def test_after_disconnect_mimics_the_servers(mode: str, second: str) -> No
     assert seen == ["http.disconnect", second]
 
 
-async def test_head_and_an_app_that_never_answers_completely() -> None:
+async def test_head_gets_the_headers_and_no_body() -> None:
     async def hello(scope: Scope, receive: Receive, send: Send) -> None:
         await send(START)
         await send({"type": "http.response.body", "body": b"hello"})
-
-    async def no_final(scope: Scope, receive: Receive, send: Send) -> None:
-        await send(START)
-        await send({"type": "http.response.body", "body": b"cut", "more_body": True})
-
-    async def no_response(scope: Scope, receive: Receive, send: Send) -> None:
-        pass
 
     with anyio.fail_after(5):
         async with client(ASGITransport(hello)) as http:
             assert (await http.head("/")).content == b""
             assert (await http.get("/")).content == b"hello"
-        async with client(ASGITransport(no_final)) as http:
-            with pytest.raises(httpx.RemoteProtocolError, match=r"final 'http\.response\.body'"):
-                await http.get("/")
-        async with client(ASGITransport(no_response)) as http:
-            with pytest.raises(httpx.RemoteProtocolError, match=r"'http\.response\.start'"):
-                await http.get("/")
 
 
 async def start(send: Send) -> None:
@@ -381,17 +368,27 @@ async def body(send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
+async def cut(send: Send) -> None:
+    await send({"type": "http.response.body", "body": b"cut", "more_body": True})
+
+
 @pytest.mark.parametrize(
-    ("steps", "match"),
+    ("steps", "error", "match"),
     [
-        ([body], "'http.response.body' sent before 'http.response.start'"),
-        ([start, start], "'http.response.start' sent twice"),
-        ([start, body, body], "'http.response.body' sent after the response completed"),
+        ([body], RuntimeError, "'http.response.body' sent before 'http.response.start'"),
+        ([start, start], RuntimeError, "'http.response.start' sent twice"),
+        (
+            [start, body, body],
+            RuntimeError,
+            "'http.response.body' sent after the response completed",
+        ),
+        ([start, cut], httpx.RemoteProtocolError, "final 'http.response.body'"),
+        ([], httpx.RemoteProtocolError, "'http.response.start'"),
     ],
-    ids=["body-first", "start-twice", "after-the-end"],
+    ids=["body-first", "start-twice", "after-the-end", "no-final-body", "no-response"],
 )
-async def test_messages_out_of_order_are_errors(
-    steps: list[Callable[[Send], Awaitable[None]]], match: str
+async def test_messages_out_of_order_or_missing_are_errors(
+    steps: list[Callable[[Send], Awaitable[None]]], error: type[Exception], match: str
 ) -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         for step in steps:
@@ -399,7 +396,7 @@ async def test_messages_out_of_order_are_errors(
 
     with anyio.fail_after(5):
         async with client(ASGITransport(app)) as http:
-            with pytest.raises(RuntimeError, match=re.escape(match)):
+            with pytest.raises(error, match=re.escape(match)):
                 await http.get("/")
 
 
@@ -453,10 +450,10 @@ async def test_a_failing_request_body_is_raised_on_the_call_and_the_app_sees_a_d
         yield b"a"
         raise OSError("the file went away")
 
-    async with httpx.AsyncClient(transport=ASGITransport(app), base_url="http://t") as client:
+    async with client(ASGITransport(app)) as http:
         with anyio.fail_after(5):  # the watchdog: this hung before
             with pytest.raises(OSError, match="the file went away"):
-                await client.post("/", content=body())
+                await http.post("/", content=body())
     assert received[-1]["type"] == "http.disconnect"
     assert all(m["more_body"] for m in received[:-1]), "never told the body was whole"
 
@@ -472,11 +469,10 @@ async def test_closing_the_client_closes_every_open_response_even_when_an_app_fa
         ended.append(scope["path"])
         raise RuntimeError(f"cleanup of {scope['path']} failed")
 
-    transport = ASGITransport(app, exit_timeout=1)
-    client = httpx.AsyncClient(transport=transport, base_url="http://test")
+    http = client(ASGITransport(app, exit_timeout=1))
     with anyio.fail_after(10):
-        await client.send(client.build_request("GET", "/a"), stream=True)
-        await client.send(client.build_request("GET", "/b"), stream=True)
+        await http.send(http.build_request("GET", "/a"), stream=True)
+        await http.send(http.build_request("GET", "/b"), stream=True)
         with pytest.raises(RuntimeError, match=r"cleanup of /[ab] failed"):
-            await client.aclose()  # the first failure, once every app was told
+            await http.aclose()  # the first failure, once every app was told
     assert sorted(ended) == ["/a", "/b"]
