@@ -226,17 +226,12 @@ def _says_hello(port: int) -> bool:
         return False
 
 
-def start_server(spec: ServerSpec, target: str, workdir: Path) -> Server:
-    """Start `target` under `spec` in `workdir` (its log and event files are there)."""
-    server = Server(spec, target, workdir)
-    server.start()
-    return server
-
-
 @contextmanager
 def running_server(spec: ServerSpec, target: str, workdir: Path) -> Iterator[Server]:
-    """Run `target` under `spec` until the block exits; the process group is always ended."""
-    server = start_server(spec, target, workdir)
+    """Run `target` under `spec` in `workdir` (its log and event files are there) until the
+    block exits; the process group is always ended."""
+    server = Server(spec, target, workdir)
+    server.start()
     try:
         yield server
     finally:

@@ -61,8 +61,9 @@ UNREAD = 40  # past uvicorn-websockets' queue (32 messages) and hypercorn's (10)
 CONTROL_RUN = 1.5  # how long the control's busy app sends
 RAN_ON = 1.0  # ... of which at least this long after its client left
 HANDSHAKE_WAIT = 0.5
-LATE_COUNT, LATE_HOLD = 100, 0.3
-FLOOD_COUNT, FLOOD_SIZE, FLOOD_HOLD = 6000, 1024, 0.5  # 6 MB: past the kernel's buffers too
+# /late's numbered messages: how many, the bytes of each (0: unpadded), how long the app holds
+# off reading them. The flood's 6 MB are past the kernel's buffers too.
+MESSAGES = {"late": (100, 0, 0.3), "flood": (6000, 1024, 0.5)}
 OVERSIZE = 16 * 1024 * 1024 + 1  # past uvicorn's --ws-max-size and hypercorn's default limit
 
 # hypercorn hands the app 1006 for every close the client started, its code dropped.
@@ -317,54 +318,38 @@ def assert_listener_ended(server: Server, rid: str) -> tuple[Event, Event]:
     return one(events, "disconnect_message"), one(events, "done")
 
 
-@pytest.mark.parametrize("leave", [CLOSE_1000, RST])
+@pytest.mark.parametrize(
+    ("route", "leave"), [("late", CLOSE_1000), ("late", RST), ("flood", CLOSE_1000)]
+)
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_messages_read_late_arrive_all_in_order(
-    server: Server, prefix: str, leave: str, deliveries: Deliveries
+    server: Server, prefix: str, route: str, leave: str, deliveries: Deliveries
 ) -> None:
-    """The client sends numbered messages while the app holds off reading; the app then gets
-    every one, once, in order; the client leaves once it was told so."""
+    """The client sends numbered messages while the app holds off reading: 100, or a flood of
+    6 MB of 1 KiB messages for half a second. The app then gets every one, once, in order; the
+    client leaves once it was told so. The middleware reads all 100 ahead; of the flood it holds
+    at most `read_ahead` (then the server's own backpressure applies, or daphne buffers them)."""
     rid = new_id()
-    target = f"/{prefix}/late?id={rid}&n={LATE_COUNT}&hold={LATE_HOLD}"
-    with WebSocket.connect(server.port, target) as ws:
+    count, size, hold = MESSAGES[route]
+    padding = b"x" * max(size - 6, 0)
+    messages = b"".join(frame(TEXT, b"%05d " % number + padding) for number in range(count))
+    with WebSocket.connect(server.port, f"/{prefix}/late?id={rid}&n={count}&hold={hold}") as ws:
         server.events.wait_for(rid, "start", timeout=WATCHDOG)
-        for number in range(LATE_COUNT):
-            ws.send_text(f"{number} message")
-        assert ws.read_text() == f"received {LATE_COUNT}"
-        ws.leave_politely(leave)
-    held = assert_all_received(server, rid, prefix, "late", LATE_COUNT, deliveries)
-    if prefix == "wrapped":  # all read ahead while the app held off: the bound is far
-        assert held["messages"] == LATE_COUNT, held
-    assert_listener_ended(server, rid)
-
-
-@pytest.mark.parametrize("prefix", PREFIXES)
-def test_message_flood_past_read_ahead_stays_bounded(
-    server: Server, prefix: str, deliveries: Deliveries
-) -> None:
-    """6 MB of 1 KiB messages while the app holds off reading for half a second: the middleware
-    holds at most `read_ahead` of them (then the server's own backpressure applies, or daphne
-    buffers them itself); the app then gets every one, in order."""
-    rid = new_id()
-    padding = b"x" * (FLOOD_SIZE - 6)
-    flood = b"".join(frame(TEXT, b"%05d " % number + padding) for number in range(FLOOD_COUNT))
-    target = f"/{prefix}/late?id={rid}&n={FLOOD_COUNT}&hold={FLOOD_HOLD}"
-    with WebSocket.connect(server.port, target) as ws:
-        server.events.wait_for(rid, "start", timeout=WATCHDOG)
-        ws.send_in_background(flood)
-        assert ws.read_text() == f"received {FLOOD_COUNT}"
+        ws.send_in_background(messages)
+        assert ws.read_text() == f"received {count}"
         ws.wait_sent(WATCHDOG)
-        ws.leave_politely(CLOSE_1000)
-    held = assert_all_received(server, rid, prefix, "flood", FLOOD_COUNT, deliveries)
+        ws.leave_politely(leave)
+    held = assert_all_received(server, rid, prefix, route, count, deliveries)
     growth_mib = (held["rss_after_kib"] - held["rss_before_kib"]) / 1024
     deliveries.add_outcome(
         server.spec.name,
-        f"flood, {prefix}: most read ahead",
+        f"{route}, {prefix}: most read ahead",
         f"{held['messages']} msgs / {held['bytes']} B, RSS +{growth_mib:.1f} MiB",
     )
-    if prefix == "wrapped":
-        # `read_ahead` is checked before each read: one message may pass it.
-        assert 0 < held["bytes"] < WS_READ_AHEAD + MESSAGE_COST + FLOOD_SIZE, held
+    if prefix == "wrapped" and route == "late":  # all read ahead: the bound is far
+        assert held["messages"] == count, held
+    elif prefix == "wrapped":  # `read_ahead` is checked before each read: one message may pass
+        assert 0 < held["bytes"] < WS_READ_AHEAD + MESSAGE_COST + size, held
     assert_listener_ended(server, rid)
 
 

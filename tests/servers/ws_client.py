@@ -57,25 +57,7 @@ def frame(opcode: int, payload: bytes, *, zero_mask: bool = False) -> bytes:
     return head + key + masked.to_bytes(length, "big")
 
 
-def close_payload(code: int, reason: str = "") -> bytes:
-    return struct.pack("!H", code) + reason.encode()
-
-
 Headers = tuple[tuple[str, str], ...]
-
-
-def upgrade_request(target: str, headers: Headers = ()) -> bytes:
-    key = base64.b64encode(os.urandom(16)).decode()
-    lines = [
-        f"GET {target} HTTP/1.1",
-        f"Host: {HOST}",
-        "Upgrade: websocket",
-        "Connection: Upgrade",
-        f"Sec-WebSocket-Key: {key}",
-        "Sec-WebSocket-Version: 13",
-        *(f"{name}: {value}" for name, value in headers),
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 class WebSocket:
@@ -193,7 +175,7 @@ class WebSocket:
         self.closed_ours = True
         if kind in CLOSE_FRAMES:
             code, reason = CLOSE_FRAMES[kind]
-            closing = frame(CLOSE, close_payload(code, reason))
+            closing = frame(CLOSE, struct.pack("!H", code) + reason.encode())
             closed_at = time.monotonic()
             self.sock.sendall(closing)
         else:
@@ -224,7 +206,17 @@ def start_handshake(
 ) -> socket.socket:
     """A connection that sent the upgrade request for `target` (`partial`: only its first
     lines, then stalls) and has read nothing."""
+    key = base64.b64encode(os.urandom(16)).decode()
+    lines = [
+        f"GET {target} HTTP/1.1",
+        f"Host: {HOST}",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        f"Sec-WebSocket-Key: {key}",
+        "Sec-WebSocket-Version: 13",
+        *(f"{name}: {value}" for name, value in headers),
+    ]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     sock = connect(port)
-    request = upgrade_request(target, headers)
     sock.sendall(request[: request.index(b"Upgrade:")] if partial else request)
     return sock
