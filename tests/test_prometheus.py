@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -37,49 +35,34 @@ def samples(text: str) -> Samples:
     return found
 
 
-def value(found: Samples, name: str, **labels: str) -> float:
-    return found.get((name, frozenset(labels.items())), 0.0)
-
-
 # -- under a real server ------------------------------------------------------------------------
-def leave_before_response(port: int, target: str) -> None:
+def stopped_before_response(port: int, target: str, header: tuple[str, str] | None = None) -> int:
+    """A request stopped before its response: its client leaves (no `header`), or it is
+    cancelled by its id, or past its deadline, while its client waits (`header` says which):
+    the status the client gets (0: it left)."""
     with wire.connect(port) as sock:
-        wire.send_request(sock, "GET", target)
-        time.sleep(0.3)  # the app is sleeping in its endpoint
-        wire.close(sock, wire.RST)
-
-
-def read_until(sock: socket.socket, body: bytes, end: Callable[[bytes], bool]) -> bytes:
-    while not end(body):
-        body += wire.recv_some(sock)
-    return body
-
-
-def leave_mid_stream(port: int, target: str) -> None:
-    with wire.connect(port) as sock:
-        wire.send_request(sock, "GET", target)
-        read_until(sock, wire.read_head(sock)[2], lambda body: wire.CHUNK_MARKER in body)
-        wire.close(sock, wire.RST)
-
-
-def stopped_before_response(port: int, target: str, header: tuple[str, str]) -> int:
-    """A request cancelled by its id, or past its deadline, while its client waits: the
-    status the client gets."""
-    with wire.connect(port) as sock:
-        wire.send_request(sock, "GET", target, headers=(header,))
-        if header[0] == "X-Request-Id":
+        wire.send_request(sock, "GET", target, headers=(header,) if header else ())
+        if header is None or header[0] == "X-Request-Id":
             time.sleep(0.3)  # the app is sleeping in its endpoint
+        if header is None:
+            wire.close(sock, wire.RST)
+            return 0
+        if header[0] == "X-Request-Id":
             assert cancel_by_id(port, header[1]) == 200
         return wire.read_response(sock).status
 
 
-def stopped_mid_stream(port: int, target: str, header: tuple[str, str]) -> int:
-    """The same mid-stream: the server closes the connection under the stream (no final
-    chunk, a visible cut); the status the client got."""
+def stopped_mid_stream(port: int, target: str, header: tuple[str, str] | None = None) -> int:
+    """The same once the first chunk is read; if the client stays, the server closes the
+    connection under the stream (no final chunk, a visible cut). The status the client got."""
     with wire.connect(port) as sock:
-        wire.send_request(sock, "GET", target, headers=(header,))
+        wire.send_request(sock, "GET", target, headers=(header,) if header else ())
         status, _, body = wire.read_head(sock)
-        body = read_until(sock, body, lambda body: wire.CHUNK_MARKER in body)
+        while wire.CHUNK_MARKER not in body:
+            body += wire.recv_some(sock)
+        if header is None:
+            wire.close(sock, wire.RST)
+            return status
         if header[0] == "X-Request-Id":
             assert cancel_by_id(port, header[1]) == 200
         body += wire.read_to_eof(sock)
@@ -123,9 +106,9 @@ def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
     with running_server(spec, "servers.apps:metrics", tmp_path) as server:
         port = server.port
         for item_id in (1, 2, 3):
-            leave_before_response(port, f"/items/{item_id}")
+            assert stopped_before_response(port, f"/items/{item_id}") == 0
         for name in ("a", "b"):
-            leave_mid_stream(port, f"/stream/{name}")
+            assert stopped_mid_stream(port, f"/stream/{name}") == 200
         assert wire.get(port, "/payments/7").body == b"slow done"  # excluded: not counted
         run = wire.new_id()
         by_id, timed = ("X-Request-Id", f"{run}-i"), ("X-Request-Timeout", "300ms")
@@ -146,7 +129,11 @@ def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
         assert counted(found, "test_cancel_cleanup_seconds_count") == expected
         for key, total in counted(found, "test_cancel_cleanup_seconds_sum").items():
             if key[0] == "client disconnected":  # timed from the disconnect to the app's end
-                assert CLEANUP * expected[key] <= total < (CLEANUP + 2) * expected[key], key
+                # (less 5 ms a request: uvloop's timers count whole milliseconds from the
+                # time its loop cached, so a cleanup's sleep may end a little early by the
+                # middleware's clock: 0.39992 s for two was seen)
+                least = (CLEANUP - 0.005) * expected[key]
+                assert least <= total < (CLEANUP + 2) * expected[key], key
         server.assert_no_traceback()
 
 
@@ -172,16 +159,14 @@ async def test_cardinality_bounded_under_a_thousand_distinct_paths() -> None:
         await leave(app, scope=http_scope("GET", f"/users/{n}/orders"), interval=0)
         await leave(app, scope=http_scope("BREW" if n % 2 else "GET", f"/nowhere/{n}"), interval=0)
     found = samples(generate_latest(registry).decode())
-    series = {labels for (name, labels) in found if name == "asgi_cancel_cancelled_requests_total"}
-    assert len(series) == 3
-    common = {"reason": "client disconnected", "phase": "before_response"}
-    route = "/users/{user_id}/orders"
-    counts = {("GET", route): 1000, ("GET", "unmatched"): 500, ("other", "unmatched"): 500}
-    for (method, matched), count in counts.items():
-        labels = {"method": method, "route": matched, **common}
-        assert value(found, "asgi_cancel_cancelled_requests_total", **labels) == count
-    cleanups = "asgi_cancel_cancel_cleanup_seconds_count"
-    assert value(found, cleanups, method="GET", route=route, **common) == 1000
+    reason, phase = "client disconnected", "before_response"
+    expected = {  # three series, whatever the paths and methods
+        (reason, "/users/{user_id}/orders", phase, "GET"): 1000,
+        (reason, "unmatched", phase, "GET"): 500,
+        (reason, "unmatched", phase, "other"): 500,
+    }
+    assert counted(found, "asgi_cancel_cancelled_requests_total") == expected
+    assert counted(found, "asgi_cancel_cancel_cleanup_seconds_count") == expected
 
 
 def test_default_registry_and_one_instance_per_namespace() -> None:
@@ -195,14 +180,10 @@ def test_default_registry_and_one_instance_per_namespace() -> None:
             )
         )
         finished()
-        labels = {"method": "POST", "route": "unmatched", "reason": "client disconnected",
-                  "phase": "mid_stream"}  # fmt: skip
-        assert REGISTRY.get_sample_value(
-            "asgi_cancel_default_test_cancelled_requests_total", labels
-        ) == 1  # fmt: skip
-        assert REGISTRY.get_sample_value(
-            "asgi_cancel_default_test_cancel_cleanup_seconds_count", labels
-        ) == 1  # fmt: skip
+        found = samples(generate_latest(REGISTRY).decode())
+        key = ("client disconnected", "unmatched", "mid_stream", "POST")
+        for name in ("cancelled_requests_total", "cancel_cleanup_seconds_count"):
+            assert counted(found, f"asgi_cancel_default_test_{name}") == {key: 1}
     finally:
         REGISTRY.unregister(metrics.cancelled)
         REGISTRY.unregister(metrics.cleanup)
