@@ -17,7 +17,7 @@ from asgi_cancel.aiohttp import UpstreamCancelled, cancel_trace_config
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Receive, Scope, Send
 
-from .helpers import WATCHDOG, respond, until
+from .helpers import WATCHDOG, leave, respond, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyncio"])]
 
@@ -216,25 +216,21 @@ async def test_calls_of_a_detached_or_shielded_request_run_to_the_end(
     async with Upstream(delay=0.2) as upstream:
         client = await session()
         got: list[bytes] = []
-        conn = ClientConnection()
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             with detach() if protect == "detach" else shield():
                 async with client.get(f"http://127.0.0.1:{upstream.port}/slow") as answer:
                     got.append(await answer.read())
 
-        task = asyncio.get_running_loop().create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-        await until(lambda: upstream.heads != [])
-        conn.disconnect()
-        await asyncio.wait_for(task, WATCHDOG)
+        conn = await leave(CancelOnDisconnectMiddleware(app), when=lambda: upstream.heads != [])
         await client.close()
+    assert conn.app_exception is None
     assert got == [b"ok"]
 
 
 async def test_a_call_after_the_request_should_stop_is_refused(anyio_backend: str) -> None:
     client = await session()
     refused: list[str] = []
-    conn = ClientConnection()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         async def late_call() -> None:
@@ -250,9 +246,7 @@ async def test_a_call_after_the_request_should_stop_is_refused(anyio_backend: st
         finally:
             await spawned
 
-    task = asyncio.get_running_loop().create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await asyncio.sleep(0.02)
-    conn.disconnect()
-    await asyncio.wait_for(task, WATCHDOG)
+    conn = await leave(CancelOnDisconnectMiddleware(app))  # once the middleware listens
     await client.close()
+    assert conn.app_exception is None
     assert refused == ["request cancelled: client disconnected"]

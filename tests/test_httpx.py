@@ -14,7 +14,7 @@ from asgi_cancel.httpx import CancelTransport, UpstreamCancelled
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
-from .helpers import WATCHDOG, respond, until
+from .helpers import WATCHDOG, leave, respond, until
 
 pytestmark = pytest.mark.anyio
 
@@ -117,15 +117,12 @@ async def test_an_upstream_call_is_cancelled_when_the_token_fires(stream: bool) 
 
 
 async def forwarded_headers(
-    transport: CancelTransport,
-    url: str,
-    copied: dict[str, str] | None = None,
-    upstream: SlowUpstream | None = None,
+    transport: CancelTransport, url: str, location: str | None, copied: dict[str, str] | None
 ) -> list[httpx.Headers]:
     """The headers an upstream at `url` receives from a request with id `fw` and 20 s left,
-    whose app copies `copied` from its client onto the upstream call: one per hop, redirects
-    followed."""
-    upstream = upstream or SlowUpstream(chunks=2)
+    whose app copies `copied` from its client onto the upstream call: one per hop, the
+    redirect to `location` (if not None) followed."""
+    upstream = SlowUpstream(chunks=2, redirect_to=location)
     transport.transport = upstream
     client = httpx.AsyncClient(transport=transport, follow_redirects=True)
 
@@ -154,35 +151,21 @@ def internal(scheme: str, host: str, port: int | None) -> bool:
 
 API = "http://api.example.com/"  # a host no test configures
 COPIED = {"x-request-id": "client-chosen", "x-request-timeout": "10m"}
-FORWARDED: dict[str, tuple[ForwardTo, str, dict[str, str] | None, bool]] = {
-    "host": (["up"], "http://up/", None, True),
-    "host-and-port": (["UP:8000"], "http://up:8000/", None, True),
-    "default-port": (["up:80"], "http://up/", None, True),
-    "predicate": (internal, "https://a.internal/", None, True),
+HOPS: dict[str, tuple[ForwardTo, str, str | None, dict[str, str] | None, list[str | None]]] = {
+    # forward_to, the call, where its answer redirects (None: nowhere), what the app copied:
+    # each hop's id (None: neither an id nor a deadline)
+    "host": (["up"], "http://up/", None, None, ["fw"]),
+    "host-and-port": (["UP:8000"], "http://up:8000/", None, None, ["fw"]),
+    "default-port": (["up:80"], "http://up/", None, None, ["fw"]),
+    "predicate": (internal, "https://a.internal/", None, None, ["fw"]),
     # An app that copies its client's headers upstream: the client chooses neither the next
     # hop's id nor a longer deadline.
-    "the-gateways-own-win": (["up"], "http://up/", COPIED, True),
-    "default-nowhere": ((), "http://up/", None, False),
-    "other-host": (["up"], API, None, False),
-    "other-port": (["up:8000"], "http://up:9000/", None, False),
-}
-
-
-@pytest.mark.parametrize(
-    ("forward_to", "url", "copied", "forwarded"), FORWARDED.values(), ids=FORWARDED
-)
-async def test_the_id_and_the_remaining_deadline_go_to_the_hosts_configured_only(
-    forward_to: ForwardTo, url: str, copied: dict[str, str] | None, forwarded: bool
-) -> None:
-    [headers] = await forwarded_headers(CancelTransport(forward_to=forward_to), url, copied)
-    assert headers["x-other"] == "1"
-    assert headers.get_list("x-request-id") == (["fw"] if forwarded else [])
-    assert len(headers.get_list("x-request-timeout")) == forwarded
-    assert not forwarded or 19000 < remaining_ms(headers) <= 20000
-
-
-REDIRECTS: dict[str, tuple[ForwardTo, str, str, dict[str, str] | None, list[str | None]]] = {
-    # forward_to, the call, where its answer redirects, what the app copied: each hop's id
+    "the-gateways-own-win": (["up"], "http://up/", None, COPIED, ["fw"]),
+    "default-nowhere": ((), "http://up/", None, None, [None]),
+    "other-host": (["up"], API, None, None, [None]),
+    "other-port": (["up:8000"], "http://up:9000/", None, None, [None]),
+    # httpx copies a request's headers onto the one that follows its redirect: each hop gets
+    # them only if its own host is configured, with the deadline that remains then.
     "away-to-another-host": (["up"], "http://up/", API, None, ["fw", None]),
     "away-over-the-apps-own": (["up"], "http://up/", API, COPIED, ["fw", None]),
     "to-a-host-configured": (["up", "b:8000"], "http://up/", "http://b:8000/", None, ["fw", "fw"]),
@@ -193,25 +176,20 @@ REDIRECTS: dict[str, tuple[ForwardTo, str, str, dict[str, str] | None, list[str 
 
 
 @pytest.mark.parametrize(
-    ("forward_to", "url", "location", "copied", "ids"), REDIRECTS.values(), ids=REDIRECTS
+    ("forward_to", "url", "location", "copied", "ids"), HOPS.values(), ids=HOPS
 )
-async def test_a_redirect_carries_the_id_and_the_deadline_to_the_hosts_configured_only(
+async def test_the_id_and_the_remaining_deadline_go_to_the_hosts_configured_only(
     forward_to: ForwardTo,
     url: str,
-    location: str,
+    location: str | None,
     copied: dict[str, str] | None,
     ids: list[str | None],
 ) -> None:
-    """httpx copies a request's headers onto the one that follows its redirect: each hop
-    gets them only if its own host is configured, with the deadline that remains then."""
-    hops = await forwarded_headers(
-        CancelTransport(forward_to=forward_to),
-        url,
-        copied,
-        SlowUpstream(chunks=2, redirect_to=location),
-    )
+    hops = await forwarded_headers(CancelTransport(forward_to=forward_to), url, location, copied)
+    # One id each (`get` joins repeated headers): ours, the app's own, or none.
     assert [headers.get("x-request-id") for headers in hops] == ids
     for headers, request_id in zip(hops, ids, strict=True):
+        assert headers["x-other"] == "1"
         if request_id == "fw":
             assert 19000 < remaining_ms(headers) <= 20000
         else:  # none of ours: the app's own if any
@@ -249,12 +227,10 @@ async def test_upstream_calls_of_a_detached_or_shielded_request_run_to_the_end(
                     got.append(chunk.decode())
         got.append("done")
 
-    conn = ClientConnection()
-    task = asyncio.get_running_loop().create_task(conn.run(CancelOnDisconnectMiddleware(app)))
-    await until(lambda: upstream.headers != [])
-    conn.disconnect()  # while the upstream call waits for its response
-    await asyncio.wait_for(task, WATCHDOG)
+    # The client leaves while the upstream call waits for its response.
+    conn = await leave(CancelOnDisconnectMiddleware(app), when=lambda: upstream.headers != [])
     await client.aclose()
+    assert conn.app_exception is None
     assert got == ["chunk\n"] * 5 + ["done"]
     assert upstream.events == ["closed"]
 

@@ -140,19 +140,6 @@ def quick_watch(monkeypatch: pytest.MonkeyPatch) -> float:
     return 0.05
 
 
-def wait_for_record(caplog: pytest.LogCaptureFixture, text: str) -> str:
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        for record in caplog.records:
-            if text in record.getMessage():
-                return record.getMessage()
-        time.sleep(0.01)
-    raise AssertionError(f"no log record with {text!r}: {caplog.text}")
-
-
-UNASKED = "has not asked its stopping criteria or logits processor"
-
-
 def warned(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -166,8 +153,12 @@ def test_a_thread_that_ignores_the_token_is_reported_not_waited_for(
         started = time.monotonic()
         token.fire("client disconnected")
         assert time.monotonic() - started < quick_watch  # fire() does not wait
-        message = wait_for_record(caplog, UNASKED)
-    assert message.startswith("a llama.cpp generation has not asked")
+        deadline = time.monotonic() + 5.0
+        while not warned(caplog) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    (message,) = warned(caplog)
+    unasked = "a llama.cpp generation has not asked its stopping criteria or logits processor"
+    assert message.startswith(unasked)
     assert "after its request was cancelled, nor before" in message
 
 
@@ -187,25 +178,20 @@ def process(processor: Callable[[list[int], Scores], Scores], tokens: int) -> No
         ids.append(n)
 
 
-def finished_streams(token: CancelToken) -> list[CancelCriterion]:
-    """A criterion whose generation ended on its own, one whose stream its caller closed
-    (without `stream()`), and a logits processor whose generation ended on its own."""
+def test_generations_that_ended_or_stopped_are_not_reported(
+    caplog: pytest.LogCaptureFixture, quick_watch: float
+) -> None:
+    # Ended before the cancel: a criterion whose generation ended on its own, one whose stream
+    # its caller closed (without `stream()`), and a logits processor whose generation ended on
+    # its own. Then a stream closed at its first step by the cancel (llama.cpp never asked), and
+    # one that stops at the cancel (its own token).
+    token, stopping_token = CancelToken(), CancelToken()
     whole, closed = CancelCriterion(token), CancelCriterion(token)
     assert complete(whole, 5) == ("length", 5)
     for n in range(5):  # five chunks read, then the stream closed: no closing call
         assert not closed(list(range(PROMPT + n)), None)
     processor = asgi_cancel.llama_cpp.CancelLogitsProcessor(2, token)
     process(processor, 5)
-    return [whole, closed, processor]
-
-
-def test_generations_that_ended_or_stopped_are_not_reported(
-    caplog: pytest.LogCaptureFixture, quick_watch: float
-) -> None:
-    # Ended before the cancel (`finished_streams`), a stream closed at its first step by the
-    # cancel (llama.cpp never asked), and one that stops at the cancel (its own token).
-    token, stopping_token = CancelToken(), CancelToken()
-    ended = finished_streams(token)
     unasked = CancelCriterion(token)
     chunked = stream(chunks([]), token=token, criteria=[unasked])
     stopping = CancelCriterion(stopping_token)
@@ -218,43 +204,11 @@ def test_generations_that_ended_or_stopped_are_not_reported(
         thread.join(5.0)
         time.sleep(quick_watch * 4)
     assert warned(caplog) == []
-    assert [criterion.stopped for criterion in ended] == [False, False, False]
+    assert [ended.stopped for ended in (whole, closed, processor)] == [False, False, False]
     assert unasked.generated == 0
     assert stopping.stopped
     assert token.usage is not None
     assert (token.usage.completion_tokens, token.usage.after_cancel) == (15, 0)
-
-
-@pytest.mark.anyio
-async def test_two_generations_in_one_request_the_cancel_during_the_second(
-    caplog: pytest.LogCaptureFixture, quick_watch: float
-) -> None:
-    # A chat completion (a logits processor) ends on its own; the request then generates again
-    # (a criterion) and its client leaves meanwhile: the second stops, the first is not taken
-    # for a generation that ignores the token.
-    results: dict[str, Any] = {}
-    started = threading.Event()
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        def first() -> None:
-            results["first"] = asgi_cancel.llama_cpp.CancelLogitsProcessor(2)
-            process(results["first"], 5)
-
-        def second() -> tuple[str, int]:
-            results["second"] = criterion = CancelCriterion()
-            return complete(criterion, 3000, each_token=slowly(started))
-
-        await anyio.to_thread.run_sync(first)
-        results["finish"] = await anyio.to_thread.run_sync(second)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-
-    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
-        conn = await leave(CancelOnDisconnectMiddleware(app), when=started.is_set)
-        await anyio.sleep(quick_watch * 4)
-    assert conn.app_exception is None
-    assert results["second"].stopped
-    assert not results["first"].stopped
-    assert warned(caplog) == []
 
 
 # -- under the middleware: the token found in a worker thread, shield() and detach() ---------
@@ -273,14 +227,21 @@ def slowly(started: threading.Event) -> Callable[[int], None]:
 def generation_app(
     wrap: str, results: dict[str, Any], started: threading.Event
 ) -> Callable[[Scope, Receive, Send], Any]:
-    """An ASGI app generating in a worker thread (anyio's, which copies the context)."""
+    """An ASGI app generating twice in a worker thread (anyio's, which copies the context): a
+    chat completion (a logits processor) that ends on its own, then a generation (a
+    criterion), wrapped in `wrap`, during which the client leaves."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        def first() -> None:
+            results["first"] = asgi_cancel.llama_cpp.CancelLogitsProcessor(2)
+            process(results["first"], 5)
+
         def generate() -> tuple[str, int]:
             criterion = CancelCriterion()  # in the thread: found through the copied context
             results["criterion"] = criterion
             return complete(criterion, 300, each_token=slowly(started))
 
+        await anyio.to_thread.run_sync(first)
         try:
             with shield() if wrap == "shield" else detach() if wrap == "detach" else nullcontext():
                 results["finish"] = await anyio.to_thread.run_sync(generate)
@@ -299,12 +260,18 @@ def generation_app(
 )
 @pytest.mark.anyio
 async def test_under_the_middleware_the_disconnect_stops_the_thread_unless_shielded(
-    wrap: str, runs_to_the_end: bool
+    caplog: pytest.LogCaptureFixture, quick_watch: float, wrap: str, runs_to_the_end: bool
 ) -> None:
+    """The second generation stops (unless shielded); the first, ended on its own, is not
+    taken for a generation that ignores the token."""
     results: dict[str, Any] = {}
     started = threading.Event()
     app = CancelOnDisconnectMiddleware(generation_app(wrap, results, started))
-    conn = await leave(app, when=started.is_set)
+    with caplog.at_level(logging.WARNING, logger="asgi_cancel"):
+        conn = await leave(app, when=started.is_set)
+        await anyio.sleep(quick_watch * 4)
+    assert warned(caplog) == []
+    assert not results["first"].stopped
     assert conn.app_exception is None
     assert results["done"]  # conn.run returned once the app did
     criterion: CancelCriterion = results["criterion"]

@@ -14,7 +14,7 @@ import gc
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
+from contextlib import AbstractContextManager, asynccontextmanager, closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,19 +82,16 @@ Execute = Callable[[str, tuple[int, ...]], Awaitable[None]]
 
 @asynccontextmanager
 async def sqlite3_in_a_thread(path: Path, injector: Injector) -> AsyncIterator[Execute]:
-    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    with closing(sqlite3.connect(path, isolation_level=None, check_same_thread=False)) as db:
 
-    def run(sql: str, parameters: tuple[int, ...]) -> None:
-        db.execute(sql, parameters)
-        injector.thread_call()
+        def run(sql: str, parameters: tuple[int, ...]) -> None:
+            db.execute(sql, parameters)
+            injector.thread_call()
 
-    async def execute(sql: str, parameters: tuple[int, ...]) -> None:
-        await anyio.to_thread.run_sync(run, sql, parameters)
+        async def execute(sql: str, parameters: tuple[int, ...]) -> None:
+            await anyio.to_thread.run_sync(run, sql, parameters)
 
-    try:
         yield execute
-    finally:
-        db.close()
 
 
 @asynccontextmanager
@@ -132,10 +129,9 @@ def order_app(
 
 
 def stored(path: Path) -> tuple[list[tuple[int, int]], int]:
-    with sqlite3.connect(path) as db:
+    with closing(sqlite3.connect(path)) as db:
         orders = db.execute("SELECT id, total FROM orders").fetchall()
         items = db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
-    db.close()
     return orders, items
 
 
@@ -143,10 +139,8 @@ async def place_order(
     tmp_path: Path, driver: str, *, shielded: bool, at: int | None, in_thread: int | None
 ) -> tuple[tuple[list[tuple[int, int]], int], Injector]:
     path = tmp_path / f"orders-{shielded}-{at}-{in_thread}.sqlite"
-    with sqlite3.connect(path) as db:
-        for sql in SCHEMA:
-            db.execute(sql)
-    db.close()
+    with closing(sqlite3.connect(path)) as db:
+        db.executescript(";".join(SCHEMA))
     conn = ClientConnection(b"order")
     injector = Injector(conn, at=at, in_thread=in_thread)
     # watch_delay=0: watched from the first await (the whole order takes under 5 ms).
@@ -183,8 +177,6 @@ LOOPS_AND_DRIVERS = [
 async def test_record_is_whole_or_absent_wherever_the_client_leaves_only_if_shielded(
     tmp_path: Path, driver: str, anyio_backend: str, shielded: bool
 ) -> None:
-    """Inside `shield()` every run leaves no order or a whole one; the same endpoint without
-    it leaves half an order at some point: why `shield` exists."""
     outcome, first = await place_order(tmp_path, driver, shielded=True, at=None, in_thread=None)
     assert outcome == WHOLE
     assert first.points == len(STATEMENTS) + 2
