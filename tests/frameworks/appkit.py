@@ -40,8 +40,7 @@ NORMAL_HEADER = ("x-matrix", "normal")
 
 def is_cancelled() -> bool | None:
     """The request's token has fired (None in the control apps: no middleware, no token)."""
-    cancelled: bool | None = token_state()["token_cancelled"]
-    return cancelled
+    return cast("bool | None", token_state()["token_cancelled"])
 
 
 def record_stop(rid: str, exc: BaseException | None) -> None:

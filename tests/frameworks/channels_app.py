@@ -33,10 +33,8 @@ class Consumer(AsyncWebsocketConsumer):  # type: ignore[misc]
 
 class BusyConsumer(Consumer):
     async def receive(self, text_data: str | None = None, bytes_data: Any = None) -> None:
-        await ticking(self.query("id"), float(self.query("t", "30")), self.send_text)
-
-    async def send_text(self, text: str) -> None:
-        await self.send(text_data=text)
+        rid, seconds = self.query("id"), float(self.query("t", "30"))
+        await ticking(rid, seconds, lambda text: self.send(text_data=text))
 
 
 class ChatConsumer(Consumer):

@@ -1,6 +1,5 @@
 """Each framework's app under a real server, with the middleware and without it (the control):
-started at first use, kept for the module, its logs checked at the end (the `deploy` fixture,
-which conftest.py makes this folder's)."""
+the `deploy` fixture, which conftest.py makes this folder's."""
 
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ from django.urls import path  # type: ignore[import-untyped]  # noqa: E402
 from .appkit import NORMAL_BODY, NORMAL_HEADER, blocking_work, chunks, served, slow_work  # noqa: E402
 
 
-def text(body: str) -> HttpResponse:
-    response = HttpResponse(body, content_type="text/plain")
+def text(body: str, headers: dict[str, str] | None = None) -> HttpResponse:
+    response = HttpResponse(body, content_type="text/plain", headers=headers)
     response["Content-Length"] = str(len(response.content))
     return response
 
@@ -51,9 +51,7 @@ async def hello(request: HttpRequest) -> HttpResponse:
 
 
 async def normal(request: HttpRequest) -> HttpResponse:
-    response = text(NORMAL_BODY)
-    response[NORMAL_HEADER[0]] = NORMAL_HEADER[1]
-    return response
+    return text(NORMAL_BODY, dict([NORMAL_HEADER]))
 
 
 async def slow(request: HttpRequest) -> HttpResponse:

@@ -6,7 +6,7 @@ the request in the events.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Annotated
 
 from asgiref.sync import async_to_sync, sync_to_async
@@ -64,11 +64,8 @@ def build() -> FastAPI:
 
     @api.get("/sse")
     async def sse(rid: RequestId, t: float = 30) -> EventSourceResponse:
-        async def events() -> AsyncIterator[str]:
-            async for chunk in chunks(rid, t):
-                yield chunk.decode().strip()
-
-        return EventSourceResponse(events(), sep="\n")  # `data: chunk\n\n`, not \r\n
+        events = chunks(rid, t, wrap=lambda chunk: chunk.decode().strip())
+        return EventSourceResponse(events, sep="\n")  # `data: chunk\n\n`, not \r\n
 
     @api.get("/sync-db")
     def sync_db(rid: RequestId, db: Db, t: float = 30, check: str = "flag") -> PlainTextResponse:

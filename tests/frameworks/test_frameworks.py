@@ -51,22 +51,6 @@ IN_THREAD, AFTER_THREAD = ("thread_returned",), (("thread_returned", "exit"),)
 DB_IN_THREAD = ("thread_returned", "teardown")  # the teardown only once the thread returned
 AFTER_DB = (("thread_returned", "teardown"), ("teardown", "exit"))
 
-
-def quart_cases(server: ServerSpec) -> list[Case]:
-    """Quart cancels its handler itself, then waits for it: a cleanup of 0.3 s or 2 s (far
-    past `grace`) completes, with the middleware as without it."""
-    cleanups = [
-        Case("quart", f"slow handler, {s} s cleanup", "/slow", alone=SELF, query=f"cleanup={s}",
-             once=CLEANUP, order=AFTER_CLEANUP, server=server)
-        for s in (0.3, 2.0)
-    ]  # fmt: skip
-    return [
-        Case("quart", "slow handler", "/slow", alone=SELF, server=server),
-        *cleanups,
-        Case("quart", "streaming response", "/stream", alone=SELF, stream=True, server=server),
-    ]
-
-
 CASES = [
     # Django cancels an async view itself, then waits for it: its cleanup completes.
     Case("django", "async view, 0.3 s cleanup", "/slow", alone=SELF, query="cleanup=0.3",
@@ -93,8 +77,16 @@ CASES = [
     Case("litestar", "Stream", "/stream", alone=SELF, stream=True),
     Case("litestar", "sync_to_thread + dependency (thread)", "/sync", stops="stopped",
          thread=True, once=DB_IN_THREAD, order=AFTER_DB),
-    *quart_cases(HYPERCORN_ASYNCIO),
-    *quart_cases(UVICORN_HTTPTOOLS),
+    # Quart cancels its handler itself, then waits for it: a cleanup of 0.3 s or 2 s (far past
+    # `grace`) completes, with the middleware as without it.
+    *(case for server in (HYPERCORN_ASYNCIO, UVICORN_HTTPTOOLS) for case in (
+        Case("quart", "slow handler", "/slow", alone=SELF, server=server),
+        Case("quart", "slow handler, 0.3 s cleanup", "/slow", alone=SELF, query="cleanup=0.3",
+             once=CLEANUP, order=AFTER_CLEANUP, server=server),
+        Case("quart", "slow handler, 2.0 s cleanup", "/slow", alone=SELF, query="cleanup=2.0",
+             once=CLEANUP, order=AFTER_CLEANUP, server=server),
+        Case("quart", "streaming response", "/stream", alone=SELF, stream=True, server=server),
+    )),
     Case("starlette", "async endpoint", "/slow"),
     # Below spec 2.4 (uvicorn: 2.3) Starlette listens for the disconnect itself.
     Case("starlette", "StreamingResponse", "/stream", alone=SELF, stream=True),
@@ -109,12 +101,7 @@ WITH_BACKGROUND_TASKS = ["fastapi", "starlette", "basehttp"]
 @pytest.mark.parametrize(
     "case", CASES, ids=[f"{c.framework}-{c.server}-{c.scenario}" for c in CASES]
 )
-def test_client_leaves(
-    deploy: Deploy,
-    case: Case,
-    middleware: bool,
-    latencies: Latencies,
-) -> None:
+def test_client_leaves(deploy: Deploy, case: Case, middleware: bool, latencies: Latencies) -> None:
     """With the middleware the token fires (the hook, with the client's reason) and the work
     stops before its end, by the row's `stops`; without it, the work runs to its end or the
     framework stops it itself. Either way nothing is stopped twice, every cleanup runs once

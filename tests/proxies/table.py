@@ -1,9 +1,6 @@
-"""The table of docs/proxies.md, from the JSON lines the proxy suite writes:
+"""The table of docs/proxies.md, from the JSON lines the proxy suite writes with
+ASGI_CANCEL_PROXY_LOG set (the runs that made it: docs/proxies.md, "Made with"):
 
-    rm -f /tmp/proxies.jsonl
-    for i in 1 2 3; do
-        ASGI_CANCEL_PROXY_LOG=/tmp/proxies.jsonl .venv/bin/pytest tests/proxies -m servers -q
-    done
     .venv/bin/python -m tests.proxies.table /tmp/proxies.jsonl --write docs/proxies.md
 
 Without `--write` the table goes to stdout; with it, the text between the two markers in that

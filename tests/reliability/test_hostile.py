@@ -157,9 +157,9 @@ def slow_uploads(server: Server, target: str) -> float:
     rss_before = stats(server.port).rss_kib
     socks = []
     sent = [0] * UPLOADS
-    try:
+    with ExitStack() as stack:
         for index in range(UPLOADS):
-            sock = connect(server.port)
+            sock = stack.enter_context(connect(server.port))
             socks.append(sock)
             # A small send buffer: the bytes a stalled upload parks stay mostly in the
             # server's process or its socket, not in this client's kernel.
@@ -191,9 +191,6 @@ def slow_uploads(server: Server, target: str) -> float:
             else:
                 close(sock, RST)
         assert_serving(server)
-    finally:
-        for sock in socks:
-            sock.close()
     per_upload = (rss_during - rss_before) / UPLOADS
     print(  # noqa: T201  (shown with -rA)
         f"uvicorn {target}: {UPLOADS} slow 5 MB uploads, RSS {rss_before} -> {rss_during} KiB, "
