@@ -21,7 +21,7 @@ from asgi_cancel import CancelOnDisconnectMiddleware
 from asgi_cancel.testing import ClientConnection, http_scope
 from asgi_cancel.types import ASGIApp, Message, Receive, Scope, Send
 
-from .helpers import WATCHDOG, noting_cancellation
+from .helpers import noting_cancellation, running, with_watchdog
 
 pytestmark = pytest.mark.anyio
 
@@ -59,12 +59,10 @@ async def test_sse_starlettes_background_task_runs_whatever_the_order(order: str
     events: list[str] = []
     conn = LeftBeforeTheBody() if order == "disconnect-first" else ClientConnection()
     middleware = CancelOnDisconnectMiddleware(sse_app(events))
-    with anyio.fail_after(WATCHDOG):
-        async with anyio.create_task_group() as group:
-            group.start_soon(conn.run, middleware, http_scope("GET", "/events"))
-            if order == "body-first":
-                await conn.wait_for_body_chunks(2)
-                conn.disconnect()
+    async with running(middleware, http_scope("GET", "/events"), conn):
+        if order == "body-first":
+            await conn.wait_for_body_chunks(2)
+            conn.disconnect()
     assert events == ["background ran", "returned"]
 
 
@@ -80,8 +78,7 @@ async def test_a_body_reader_of_a_post_is_still_cancelled_at_once() -> None:
             await anyio.sleep(30)
 
     scope = http_scope("POST", "/upload", headers=[(b"content-length", b"10")])
-    with anyio.fail_after(WATCHDOG):
-        await LeftBeforeTheBody().run(CancelOnDisconnectMiddleware(app), scope)
+    await with_watchdog(LeftBeforeTheBody().run(CancelOnDisconnectMiddleware(app), scope))
     assert events == ["cancelled"]
 
 

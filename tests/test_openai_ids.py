@@ -100,8 +100,7 @@ async def test_headers_given_as_a_one_shot_iterable_all_reach_the_client() -> No
     headers = [(b"content-type", b"text/plain"), (b"x-request-id", b"vllm-own-2")]
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        start = {"type": "http.response.start", "status": 200, "headers": iter(headers)}
-        await send(start)
+        await send({"type": "http.response.start", "status": 200, "headers": iter(headers)})
         await send({"type": "http.response.body", "body": b"ok"})
 
     middleware = CancelOnDisconnectMiddleware(OpenAIRequestIds(app, registry), registry=registry)

@@ -4,7 +4,6 @@ under pytest-asyncio (where that is installed)."""
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -100,25 +99,23 @@ async def test_a_client_closed_by_the_test_is_left_closed(asgi_client: ClientFac
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_app_still_running_when_the_test_ends_fails_it_there(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
-        textwrap.dedent(
-            """
-            import anyio
-            import pytest
+        """
+        import anyio
+        import pytest
 
 
-            async def stubborn(scope, receive, send):
-                await send({"type": "http.response.start", "status": 200, "headers": []})
-                await send({"type": "http.response.body", "body": b"a", "more_body": True})
-                await anyio.sleep(30)
+        async def stubborn(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"a", "more_body": True})
+            await anyio.sleep(30)
 
 
-            @pytest.mark.anyio
-            async def test_leaves_a_stream_open(asgi_client):
-                client = asgi_client(stubborn, exit_timeout=0.05)
-                response = await client.send(client.build_request("GET", "/s"), stream=True)
-                assert response.status_code == 200
-            """
-        )
+        @pytest.mark.anyio
+        async def test_leaves_a_stream_open(asgi_client):
+            client = asgi_client(stubborn, exit_timeout=0.05)
+            response = await client.send(client.build_request("GET", "/s"), stream=True)
+            assert response.status_code == 200
+        """
     )
     result = pytester.runpytest_inprocess(*plugin_args(), "-p", "no:asyncio", *NO_CACHE)
     result.assert_outcomes(passed=2, errors=2)  # on asyncio and trio: the test, then its teardown
@@ -138,45 +135,43 @@ def test_under_pytest_asyncio_in_the_tests_own_loop(pytester: pytest.Pytester, m
     test left open is closed there, its app told, at the test's end."""
     pytest.importorskip("pytest_asyncio")
     pytester.makepyfile(
-        textwrap.dedent(
-            """
-            import pytest
+        """
+        import pytest
 
-            ENDED = []
-
-
-            async def streamer(scope, receive, send):
-                await send({"type": "http.response.start", "status": 200, "headers": []})
-                while True:
-                    await send({"type": "http.response.body", "body": b"x", "more_body": True})
-                    if (await receive())["type"] == "http.disconnect":
-                        ENDED.append(scope["path"])
-                        return
+        ENDED = []
 
 
-            @pytest.fixture
-            def client(asgi_client):
-                return asgi_client(streamer, exit_timeout=1)
+        async def streamer(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            while True:
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+                if (await receive())["type"] == "http.disconnect":
+                    ENDED.append(scope["path"])
+                    return
 
 
-            @pytest.mark.asyncio
-            async def test_the_client_leaves(client):
-                async with client.stream("GET", "/left") as response:
-                    async for _ in response.aiter_raw():
-                        break
-                assert ENDED == ["/left"]
+        @pytest.fixture
+        def client(asgi_client):
+            return asgi_client(streamer, exit_timeout=1)
 
 
-            @pytest.mark.asyncio(loop_scope="module")
-            async def test_a_stream_left_open_in_a_modules_loop(client):
-                response = await client.send(client.build_request("GET", "/open"), stream=True)
-                assert response.status_code == 200
+        @pytest.mark.asyncio
+        async def test_the_client_leaves(client):
+            async with client.stream("GET", "/left") as response:
+                async for _ in response.aiter_raw():
+                    break
+            assert ENDED == ["/left"]
 
 
-            def test_it_was_closed_at_the_end_of_the_test():
-                assert ENDED == ["/left", "/open"]
-            """
-        )
+        @pytest.mark.asyncio(loop_scope="module")
+        async def test_a_stream_left_open_in_a_modules_loop(client):
+            response = await client.send(client.build_request("GET", "/open"), stream=True)
+            assert response.status_code == 200
+
+
+        def test_it_was_closed_at_the_end_of_the_test():
+            assert ENDED == ["/left", "/open"]
+        """
     )
     options = ["-o", "asyncio_default_fixture_loop_scope=function", "-o", f"asyncio_mode={mode}"]
     result = pytester.runpytest_inprocess(*plugin_args(), "-p", "asyncio", *NO_CACHE, *options)

@@ -10,11 +10,12 @@ import pytest
 
 from asgi_cancel import CancelOnDisconnectMiddleware, CancelRegistry
 from asgi_cancel._report import MAX_LOGGED, escaped
-from asgi_cancel.testing import ClientConnection, http_scope
+from asgi_cancel.testing import http_scope
 from asgi_cancel.types import Receive, Scope, Send
 
+from .helpers import running
+
 pytestmark = pytest.mark.anyio
-WATCHDOG = 5.0
 
 
 async def sleeps(scope: Scope, receive: Receive, send: Send) -> None:
@@ -28,14 +29,11 @@ async def cancelled_line(
     caplog: pytest.LogCaptureFixture, scope: Scope, leave: bool = True, **options: Any
 ) -> tuple[str, dict[str, Any]]:
     """Run `sleeps` until the client leaves (or a deadline passes); the one line logged."""
-    conn = ClientConnection()
     with caplog.at_level(logging.INFO, logger="asgi_cancel"):
-        with anyio.fail_after(WATCHDOG):
-            async with anyio.create_task_group() as group:
-                group.start_soon(conn.run, CancelOnDisconnectMiddleware(sleeps, **options), scope)
-                if leave:
-                    await anyio.sleep(0.05)
-                    conn.disconnect()
+        async with running(CancelOnDisconnectMiddleware(sleeps, **options), scope) as conn:
+            if leave:
+                await anyio.sleep(0.05)
+                conn.disconnect()
     records = [record for record in caplog.records if record.name == "asgi_cancel"]
     assert len(records) == 1, [record.getMessage() for record in records]
     return records[0].getMessage(), getattr(records[0], "asgi_cancel")  # noqa: B009

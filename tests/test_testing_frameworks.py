@@ -6,7 +6,8 @@ learns that its client left."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import anyio
 import httpx
@@ -32,6 +33,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
 CHUNKS = 200  # what a stream makes if nobody stops it
+T = TypeVar("T")
 
 
 async def read_one_chunk_and_leave(app: AnyASGIApp, transport: type, path: str = "/") -> None:
@@ -39,6 +41,18 @@ async def read_one_chunk_and_leave(app: AnyASGIApp, transport: type, path: str =
         async with client(transport(app)) as http, http.stream("GET", path) as response:
             async for _ in response.aiter_raw():
                 break
+
+
+async def sent_slowly(events: list[str], item: T) -> AsyncIterator[T]:
+    """`item` `CHUNKS` times, one a millisecond; records "all sent" once they all were, and
+    "generator ended" however it ends."""
+    try:
+        for _ in range(CHUNKS):
+            yield item
+            await anyio.sleep(0.001)
+        events.append("all sent")
+    finally:
+        events.append("generator ended")
 
 
 def fastapi_app(events: list[str], delay: float = 30) -> FastAPI:
@@ -63,16 +77,7 @@ def fastapi_app(events: list[str], delay: float = 30) -> FastAPI:
 
     @api.get("/stream", dependencies=[Depends(session)])
     async def stream() -> StreamingResponse:
-        async def tokens() -> AsyncIterator[bytes]:
-            try:
-                for _ in range(CHUNKS):
-                    yield b"token "
-                    await anyio.sleep(0.001)
-                events.append("all tokens")
-            finally:
-                events.append("generator ended")
-
-        return StreamingResponse(tokens())
+        return StreamingResponse(sent_slowly(events, b"token "))
 
     return api
 
@@ -104,49 +109,30 @@ async def test_fastapi_stream_with_a_yield_dependency_stops_when_the_client_leav
     # The teardown's place differs between FastAPI versions (before the body before 0.118).
     assert "teardown" in events
     if transport is ASGITransport:
-        assert "all tokens" not in events
+        assert "all sent" not in events
         assert "generator ended" in events
     else:
-        assert "all tokens" in events
+        assert "all sent" in events
 
 
-def starlette_app(made: list[int]) -> Starlette:
+def starlette_app(response: Callable[[], Response]) -> Starlette:
+    """Starlette answering `/` with `response()`."""
+
     async def stream(request: Request) -> Response:
-        async def chunks() -> AsyncIterator[bytes]:
-            for index in range(CHUNKS):
-                made.append(index)
-                yield b"%d," % index
-                await anyio.sleep(0.001)
-
-        return StreamingResponse(chunks(), media_type="text/plain")
+        return response()
 
     return Starlette(routes=[Route("/", stream)])
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
 async def test_starlette_streaming_response_stops_when_the_client_leaves(transport: type) -> None:
-    made: list[int] = []
-    await read_one_chunk_and_leave(starlette_app(made), transport)
+    events: list[str] = []
+    app = starlette_app(lambda: StreamingResponse(sent_slowly(events, b"x,")))
+    await read_one_chunk_and_leave(app, transport)
     if transport is ASGITransport:
-        assert len(made) < CHUNKS  # Starlette's own listener saw the disconnect
+        assert "all sent" not in events  # Starlette's own listener saw the disconnect
     else:
-        assert len(made) == CHUNKS
-
-
-def sse_app(events: list[str]) -> Starlette:
-    async def stream(request: Request) -> Response:
-        async def ticks() -> AsyncIterator[dict[str, str]]:
-            try:
-                for _ in range(CHUNKS):
-                    yield {"data": "tick"}
-                    await anyio.sleep(0.001)
-                events.append("all ticks")
-            finally:
-                events.append("generator ended")
-
-        return EventSourceResponse(ticks())
-
-    return Starlette(routes=[Route("/", stream)])
+        assert "all sent" in events
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS, ids=IDS)
@@ -155,11 +141,12 @@ async def test_sse_starlette_stops_when_the_client_leaves(transport: type) -> No
     if getattr(AppStatus, "should_exit_event", None) is not None:
         setattr(AppStatus, "should_exit_event", None)  # noqa: B010 (absent from new versions)
     events: list[str] = []
-    await read_one_chunk_and_leave(sse_app(events), transport)
+    app = starlette_app(lambda: EventSourceResponse(sent_slowly(events, {"data": "tick"})))
+    await read_one_chunk_and_leave(app, transport)
     if transport is ASGITransport:
         assert events == ["generator ended"]
     else:
-        assert events == ["all ticks", "generator ended"]
+        assert events == ["all sent", "generator ended"]
 
 
 def quart_app(events: list[str], delay: float) -> Quart:

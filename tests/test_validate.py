@@ -4,6 +4,7 @@ message: `<option> must be a finite number of seconds ..., got <value> (<type>)`
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -21,12 +22,8 @@ async def hello_app(scope: Scope, receive: Receive, send: Send) -> None:
 BAD = [-1, -0.1, float("nan"), float("inf"), "1", "30s", True, None]
 
 
-def middleware(**options: Any) -> object:
-    return CancelOnDisconnectMiddleware(hello_app, **options)
-
-
-def transport(**options: Any) -> object:
-    return ASGITransport(hello_app, **options)
+middleware = partial(CancelOnDisconnectMiddleware, hello_app)
+transport = partial(ASGITransport, hello_app)
 
 
 def in_a_thread(**options: Any) -> object:
