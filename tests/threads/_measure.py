@@ -1,5 +1,5 @@
 """One departure, measured from the engine's side: a client that leaves mid-generation, and
-optionally the request that queued behind it. Shared by the tests and benchmarks/threads.py."""
+the request that queued behind it. Shared by the tests and benchmarks/threads.py."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def depart(
     route: str,
     *,
     max_new_tokens: int,
-    next_tokens: int = 0,
+    next_tokens: int = 10,
     timeout: float = 120.0,
 ) -> dict[str, Any]:
     """POST `/{mode}/{route}`, close the socket once the engine made `LEAVE_AFTER` tokens,
-    wait for the generation to end; with `next_tokens`, send the next request right after the
+    wait for the generation to end; send the next request (`next_tokens`) right after the
     close and measure its time to first token (its first token in the engine)."""
     engine = server.engine
     request_id = new_id(f"{mode}-{route}")
@@ -37,14 +37,11 @@ def depart(
     steps = engine.steps[request_id]
     wait_for(lambda: len(steps) >= LEAVE_AFTER, timeout, "the first tokens")
     closed_at = client.close()
-    follower: RawClient | None = None
     next_id = new_id("next")
-    sent_at = 0.0
-    if next_tokens:
-        sent_at = time.monotonic()
-        follower = RawClient(server.port).post(
-            f"/{mode}/{route}", {"id": next_id, "prompt": PROMPT, "max_new_tokens": next_tokens}
-        )
+    sent_at = time.monotonic()
+    follower = RawClient(server.port).post(
+        f"/{mode}/{route}", {"id": next_id, "prompt": PROMPT, "max_new_tokens": next_tokens}
+    )
     wait_for(lambda: request_id in engine.ended, timeout, "the generation's end")
     measured: dict[str, Any] = {
         "request_id": request_id,
@@ -56,13 +53,12 @@ def depart(
     }
     if request_id in engine.fired:
         measured["close_to_fire_ms"] = round((engine.fired[request_id] - closed_at) * 1000, 2)
-    if follower is not None:
-        with follower:
-            wait_for(lambda: next_id in engine.ended, timeout, "the next request's end")
-            first = engine.steps[next_id][0]
-            measured["next_ttft_ms"] = round((first - sent_at) * 1000, 1)
-            measured["next_tokens"] = len(engine.steps[next_id])
-            follower.read_all(timeout)
+    with follower:
+        wait_for(lambda: next_id in engine.ended, timeout, "the next request's end")
+        first = engine.steps[next_id][0]
+        measured["next_ttft_ms"] = round((first - sent_at) * 1000, 1)
+        measured["next_tokens"] = len(engine.steps[next_id])
+        follower.read_all(timeout)
     return measured
 
 

@@ -95,6 +95,8 @@ def in_thread(body: Completion, work: Callable[[CancelToken | None], Any]) -> as
     loop = asyncio.get_running_loop()
     if body.thread == "executor":
         return loop.run_in_executor(None, work, token)
+    # A loop future the thread settles, not `asyncio.wrap_future`: the middleware recognises a
+    # future chained to a worker thread and waits for it, and this path is the one it cannot see.
     future: asyncio.Future[Any] = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:

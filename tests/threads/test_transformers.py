@@ -55,9 +55,12 @@ def server() -> Iterator[Server]:
 def test_a_departed_client_stops_the_generation_only_with_the_adapter(
     server: Server, mode: str, route: str
 ) -> None:
-    measured = depart(server, mode, route, max_new_tokens=MAX_NEW_TOKENS)
+    # A request sent right after the close queues behind the departed one (one generation at a
+    # time): it gets its own tokens either way (how long it waited is measured, not asserted).
+    measured = depart(server, mode, route, max_new_tokens=MAX_NEW_TOKENS, next_tokens=10)
     request_id = measured.pop("request_id")
     MEASURED[f"{mode} {route}"] = measured
+    assert measured["next_tokens"] == 10
     if mode == "bare":  # without the middleware and the adapter: it runs to max_new_tokens
         assert measured["tokens"] == MAX_NEW_TOKENS, measured
         assert measured["tokens_after_close"] >= MAX_NEW_TOKENS - LEAVE_AFTER - 10, measured
@@ -77,20 +80,6 @@ def test_a_departed_client_stops_the_generation_only_with_the_adapter(
     else:
         assert completion == measured["tokens"]
     assert after_cancel <= MAX_TOKENS_AFTER_CLOSE
-
-
-@pytest.mark.parametrize("mode", ["bare", "mw"])
-def test_next_request_waits_for_a_departed_one_only_with_no_adapter(
-    server: Server, mode: str
-) -> None:
-    measured = depart(server, mode, "stream-thread", max_new_tokens=MAX_NEW_TOKENS, next_tokens=10)
-    del measured["request_id"]
-    MEASURED[f"queue {mode}"] = measured
-    assert measured["next_tokens"] == 10
-    if mode == "bare":
-        assert measured["tokens"] == MAX_NEW_TOKENS, measured
-    else:
-        assert measured["tokens_after_close"] <= MAX_TOKENS_AFTER_CLOSE, measured
 
 
 @pytest.mark.parametrize("how", ["deadline", "cancel"], ids=["deadline", "cancel-by-id"])

@@ -63,7 +63,6 @@ def test_a_departed_client_stops_the_generation_only_with_the_recipe(
 ) -> None:
     mode, port, generations = server
     measured = serve_departure(port, generations, tiny_model(), stream, MAX_NEW_TOKENS, timeout=30)
-    assert measured["tokens"] >= LEAVE_AFTER, measured
     if mode == "alone" and not stream:
         # The control: nothing stops the inference thread's generate(), nor the batch's request.
         assert measured["tokens"] == MAX_NEW_TOKENS, measured
