@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -118,9 +118,7 @@ class Probe:
         return None
 
     def scheduler_now(self) -> tuple[int, int]:
-        if not self.scheduler:
-            return (0, 0)
-        _, running, waiting = self.scheduler[-1]
+        _, running, waiting = self.scheduler[-1] if self.scheduler else (0.0, 0, 0)
         return (running, waiting)
 
 
@@ -195,10 +193,8 @@ def build_app(engine: Any, probe: Probe) -> ASGIApp:
             if api in ("tasks", "tasks-bare"):
                 await merge()
             elif api in ("helper", "cm", "none"):
-                if api == "helper":
-                    outputs = generate(engine, prompts[0], params, ids[0])
-                else:
-                    outputs = engine.generate(prompts[0], params, ids[0])
+                one = (prompts[0], params, ids[0])
+                outputs = generate(engine, *one) if api == "helper" else engine.generate(*one)
                 async for output in outputs:
                     await emit(output)
             else:
@@ -256,14 +252,10 @@ class EngineServer:
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(60)
 
-    def call(self, function: Callable[[], Awaitable[T]], timeout: float = 30.0) -> T:
+    def call(self, function: Callable[[], Coroutine[Any, Any, T]], timeout: float = 30.0) -> T:
         """Run `function()` on the engine's loop and return its result."""
         assert self.loop is not None
-
-        async def run() -> T:
-            return await function()
-
-        future: Future[T] = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        future: Future[T] = asyncio.run_coroutine_threadsafe(function(), self.loop)
         return future.result(timeout)
 
     def unfinished(self) -> int:

@@ -1,10 +1,8 @@
 """What the real-vLLM tests share: the environment, the tiny models, a raw HTTP client.
 
-Nothing here imports vLLM; `import_vllm` does, for the modules that need it, and skips them
-(with the reason) where vLLM is not installed. The tiny random-weight models are built before
-the tests run, into `$ASGI_CANCEL_TINY_MODEL` (default `.models/tiny-llama`) and, for the
-realtime route, `$ASGI_CANCEL_TINY_ASR_MODEL` (default `.models/tiny-qwen3-asr`): .ci/vllm.sh
-does it.
+Nothing here imports vLLM but `import_vllm`, which skips (with the reason) where vLLM is not
+installed. .ci/vllm.sh builds the tiny random-weight models before the tests run, into
+`$ASGI_CANCEL_TINY_MODEL` and, for the realtime route, `$ASGI_CANCEL_TINY_ASR_MODEL`.
 """
 
 from __future__ import annotations
@@ -62,11 +60,10 @@ def import_vllm(module: str = "vllm") -> Any:
     With `ASGI_CANCEL_REQUIRE_VLLM=1` (set by .ci/vllm.sh) a missing vLLM is an error instead.
     """
     reason = "real vLLM is not installed here (.ci/vllm.sh installs it into .venv-vllm)"
-    required = _required()
     with warnings.catch_warnings():
         # vLLM, torch and transformers warn on import (deprecations); not ours to fix.
         warnings.simplefilter("ignore")
-        if required:
+        if _required():
             importlib.import_module("vllm")
         vllm = pytest.importorskip("vllm", reason=reason)
         if getattr(vllm, "__file__", None) is None:  # a namespace package, not vLLM

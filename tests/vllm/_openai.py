@@ -99,8 +99,7 @@ class OpenAIServer:
         self.pokes += 1
 
     def load(self) -> int:
-        value: int = httpx.get(f"{self.url}/load", timeout=10).json()["server_load"]
-        return value
+        return int(httpx.get(f"{self.url}/load", timeout=10).json()["server_load"])
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -119,14 +118,13 @@ def serve(
     extra: Sequence[str] = (),
 ) -> Iterator[OpenAIServer]:
     """`vllm serve` with `model` (default: the tiny Llama); the server once `/health` answers
-    200. A `PYTHONPATH` in `env` comes after the clone's."""
+    200. A `PYTHONPATH` in `env` comes after the clone's, before this process's."""
     port = free_port()
     model = tiny_model() if model is None else model
     argv = [sys.executable, "-m", "tests.vllm.vllm_cli", "serve", str(model)]
     argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--dtype", "float32", "--max-model-len", str(max_model_len)]
-    argv += ["--enforce-eager", "--seed", "0"]
-    argv += ["--max-num-seqs", str(max_num_seqs), "--enable-log-requests"]
+    argv += ["--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager"]
+    argv += ["--seed", "0", "--max-num-seqs", str(max_num_seqs), "--enable-log-requests"]
     argv += ["--disable-uvicorn-access-log"]
     if api_server_count != 1:
         argv += ["--api-server-count", str(api_server_count)]
@@ -135,9 +133,8 @@ def serve(
     argv += extra
     environment = {**os.environ, **(env or {})}
     # The API servers import `--middleware` modules by name: tests.vllm.* from the clone.
-    environment["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [environment.get("PYTHONPATH")])]
-    )
+    paths = [str(REPO), (env or {}).get("PYTHONPATH"), os.environ.get("PYTHONPATH")]
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     started = time.monotonic()
     with log.open("wb") as output:
         process = subprocess.Popen(

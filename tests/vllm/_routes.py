@@ -191,22 +191,24 @@ def check_stopped(run: Left, *, sequences: int) -> None:
 
 
 def leave_runs(
-    server: OpenAIServer, route: str, moment: str, *, stream: bool, into: dict[str, Any]
+    server: OpenAIServer, route: str, moment: str, *, stream: bool, n: int = 1, into: dict[str, Any]
 ) -> None:
-    """`RUNS` clients that leave `route` `mid`-generation or `queued` behind `MAX_NUM_SEQS`
-    fillers, each checked stopped (a queued one before its first token); their `summary` goes
-    `into` the module's measurements."""
+    """`RUNS` clients that leave `route` `mid`-generation (of `n` sequences) or `queued` behind
+    `MAX_NUM_SEQS` fillers, each checked stopped (a queued one before its first token); their
+    `summary` goes `into` the module's measurements."""
     left = []
     for _ in range(RUNS):
         if moment == "mid":
-            left.append(leave_mid(server, route, stream=stream))
+            left.append(leave_mid(server, route, stream=stream, n=n))
         else:
             left.append(leave_queued(server, route, stream=stream, fillers=MAX_NUM_SEQS))
         server.wait_idle(30, "idle between runs")
     for run in left:
-        check_stopped(run, sequences=1)
+        check_stopped(run, sequences=n)
         assert moment == "mid" or run.tokens_after_close == 0, run  # queued: never scheduled
     when = "before the first token" if moment == "queued" else "mid-generation"
+    if n != 1:
+        when = f"n={n}"
     into[f"{route}/{'stream' if stream else 'whole'}/{when}"] = summary(left)
 
 

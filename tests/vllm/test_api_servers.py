@@ -78,22 +78,16 @@ def test_client_leaves(server: OpenAIServer, route: str, stream: bool, moment: s
 
 
 # -- cancel by id across the API servers ------------------------------------------------------
+PROBE_LINE = re.compile(r"probe pid=(\d+) path=\S+ header=(\S+) token=(\S+)")
+
+
 def probes(server: OpenAIServer) -> dict[str, tuple[int, str]]:
     """X-Request-Id -> (the API server's pid, `current_token().request_id`), from the log."""
-    found = {}
-    for match in re.finditer(
-        r"probe pid=(\d+) path=\S+ header=(\S+) token=(\S+)", server.log_text()
-    ):
-        found[match[2]] = (int(match[1]), match[3])
-    return found
+    return {match[2]: (int(match[1]), match[3]) for match in PROBE_LINE.finditer(server.log_text())}
 
 
 def probed(server: OpenAIServer, request_id: str) -> bool:
     return request_id in probes(server)
-
-
-def aborted_at(server: OpenAIServer, request_id: str) -> bool:
-    return f"Aborted request(s) cmpl-{request_id}-0" in server.log_text()
 
 
 def long_streams(server: OpenAIServer, count: int) -> tuple[dict[str, RawClient], dict[str, int]]:
@@ -170,7 +164,8 @@ def test_a_cancel_by_id_aborts_the_request_in_either_api_server(
         answered = time.monotonic() - started
         # Within LEAVES_ENGINE_WITHIN of asking, the answer's time included.
         within = LEAVES_ENGINE_WITHIN - answered
-        wait_for(functools.partial(aborted_at, server, request_id), within, "abort")
+        engine_id = f"cmpl-{request_id}-0"
+        wait_for(functools.partial(aborted, server, engine_id), within, "abort")
         outcomes[request_id] = {
             "answered_ms": round(answered * 1000, 1),
             "to_abort_logged_ms": round((time.monotonic() - started) * 1000, 1),
@@ -204,7 +199,7 @@ def test_cancel_by_id_aborts_a_non_streaming_request(
     MEASURED["cancel by id, non-streaming"] = {
         "held": held,
         "client_got": response.split(b"\r\n", 1)[0].decode(errors="replace"),
-        "aborted": aborted_at(server, request_id),
+        "aborted": aborted(server, f"cmpl-{request_id}-0"),
         "finished_normally": after["vllm:request_success_total"]
         - before["vllm:request_success_total"],
         "tokens_after_cancel": after["vllm:generation_tokens_total"]
@@ -212,7 +207,7 @@ def test_cancel_by_id_aborts_a_non_streaming_request(
         "to_engine_idle_s": round(time.monotonic() - started, 2),
     }
     assert held
-    assert aborted_at(server, request_id), MEASURED["cancel by id, non-streaming"]
+    assert aborted(server, f"cmpl-{request_id}-0"), MEASURED["cancel by id, non-streaming"]
 
 
 def test_unknown_id_is_answered_not_held_within_the_bound(
@@ -256,24 +251,37 @@ def stream_without_an_id(
     return client, response, found[1].decode()
 
 
-def stopped(server: OpenAIServer, client: RawClient, visible: str) -> None:
+def stopped(server: OpenAIServer, client: RawClient, visible: str) -> bytes:
+    """The engine request `visible` aborted and the engine idle; what its client received."""
     wait_for(lambda: aborted(server, visible), LEAVES_ENGINE_WITHIN, f"{visible} aborted")
-    client.read_all(timeout=10)
+    response = client.read_all(timeout=10)
     client.close()
     server.wait_idle(LEAVES_ENGINE_WITHIN, "the request aborted")
+    return response
 
 
-@pytest.mark.parametrize("route", VISIBLE_ROUTES)
-def test_the_id_in_a_stream_cancels_its_engine_request(server: OpenAIServer, route: str) -> None:
-    client, _, visible = stream_without_an_id(server, route)
+@pytest.mark.parametrize(
+    ("route", "named_by"),
+    [*((route, "chunk-id") for route in VISIBLE_ROUTES), ("chat", "x-request-id")],
+)
+def test_the_id_in_a_stream_cancels_its_engine_request(
+    server: OpenAIServer, route: str, named_by: str
+) -> None:
+    """The `id` of the stream's chunks; or, with `--enable-request-id-headers`, vLLM's own
+    `X-Request-Id` (a fresh uuid: none was sent), kept on the response: both name the request."""
+    client, response, visible = stream_without_an_id(server, route)
+    asked = visible
+    if named_by == "x-request-id":
+        asked = response_header(response, b"x-request-id")
+        assert asked not in visible  # vLLM's header is not the id it named the request
     started = time.monotonic()
-    answer = cancel_through_the_endpoint(server, visible)
+    answer = cancel_through_the_endpoint(server, asked)
     answered = time.monotonic() - started
     assert answer.status_code == 200, answer.text
-    assert answer.headers["x-request-id"] == visible
+    assert answer.headers["x-request-id"] == asked
     stopped(server, client, visible)
     by_route = MEASURED.setdefault("cancel by the id in the stream, answered ms", {})
-    by_route[route] = round(answered * 1000, 1)
+    by_route[route if named_by == "chunk-id" else named_by] = round(answered * 1000, 1)
 
 
 @pytest.mark.parametrize("route", VISIBLE_ROUTES)
@@ -290,22 +298,8 @@ def test_the_id_named_from_the_body_cancels_a_whole_answer(
     wait_for(lambda: server.generated() - generated >= 20, 30, "generation to start")
     answer = cancel_through_the_endpoint(server, visible)
     assert answer.status_code == 200, answer.text
-    wait_for(lambda: aborted(server, visible), LEAVES_ENGINE_WITHIN, f"{visible} aborted")
-    response = client.read_all(timeout=10)
-    client.close()
+    response = stopped(server, client, visible)
     assert response.startswith(b"HTTP/1.1 499"), response[:200]
-    server.wait_idle(LEAVES_ENGINE_WITHIN, "the request aborted")
-
-
-def test_the_x_request_id_vllm_answers_with_cancels_the_request(server: OpenAIServer) -> None:
-    """`--enable-request-id-headers`: vLLM's own header (a fresh uuid: none was sent), kept
-    on the response, names the request too."""
-    client, response, visible = stream_without_an_id(server, "chat")
-    header = response_header(response, b"x-request-id")
-    assert header not in visible  # vLLM's header is not the id it named the request
-    answer = cancel_through_the_endpoint(server, header)
-    assert answer.status_code == 200, answer.text
-    stopped(server, client, visible)
 
 
 def test_control_without_the_aliases_the_visible_ids_find_nothing(server: OpenAIServer) -> None:

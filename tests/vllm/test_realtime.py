@@ -27,11 +27,11 @@ import base64
 import functools
 import itertools
 import json
-import os
 import random
 import re
 import struct
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +41,9 @@ import pytest
 
 from ..servers.client import FIN, RST, SOCKET_TIMEOUT, close
 from ..servers.ws_client import CLOSE_1000, WebSocket, start_handshake
-from ._harness import LEAVES_ENGINE_WITHIN, import_vllm, tiny_asr_model, wait_for
+from ._harness import LEAVES_ENGINE_WITHIN, import_vllm, report, tiny_asr_model, wait_for
 from ._openai import MODEL_NAME, OpenAIServer, serve
-from ._routes import TOKENS_AFTER_CLOSE, Left, summary
+from ._routes import RUNS, TOKENS_AFTER_CLOSE, Left, summary
 from .realtime_variants import HEADER, WITH_MIDDLEWARE
 
 import_vllm()
@@ -56,8 +56,6 @@ VARIANTS = {
     "vllm-alone": (),
     "asgi-cancel": ((HEADER.decode(), WITH_MIDDLEWARE.decode()),),
 }
-# Runs per cell: CI takes 2; `ASGI_CANCEL_VLLM_RUNS=5` for more.
-RUNS = int(os.environ.get("ASGI_CANCEL_VLLM_RUNS", "2"))
 SEGMENT_S = 5  # Qwen3-ASR's realtime segment: 64 tokens each (`realtime_max_tokens`)
 SEGMENT_TOKENS = 64
 LONG_S = 60  # 12 segments, 768 tokens: about 3 s of generation here
@@ -71,8 +69,9 @@ CLOSE_AFTER = 100  # deltas read before the client leaves mid-generation
 # send through until the disconnect is handed over. Counted per cell
 # (`runs_with_send_race_logged`); any other traceback fails the test.
 SEND_RACE = "Error in generation"
+# What the middleware logs for each cancelled session: phase, reason, close code.
 CANCEL_LINE = re.compile(r"WEBSOCKET /v1/realtime cancelled after \S+ (.*)")
-MEASURED: dict[str, Any] = {}
+MEASURED: defaultdict[str, Any] = defaultdict(dict)  # by variant, and the start-up time
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +82,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAIServer]:
         model=tiny_asr_model(),
         middleware=("tests.vllm.realtime_variants.AloneOrWithMiddleware",),
         max_model_len=4096,  # a 60 s session's segments, their audio and text, in one request
-        env={
-            "PYTHONPATH": os.pathsep.join(
-                [str(SHIM), *filter(None, [os.environ.get("PYTHONPATH")])]
-            )
-        },
+        env={"PYTHONPATH": str(SHIM)},
     ) as instance:
         assert f"Route: {PATH}" in instance.log_text()
         MEASURED["server_startup_s"] = round(instance.startup_seconds, 1)
         yield instance
-    report = os.environ.get("ASGI_CANCEL_VLLM_REPORT")
-    if report:
-        path = Path(report)
-        previous = json.loads(path.read_text()) if path.exists() else {}
-        previous["realtime"] = MEASURED
-        path.write_text(json.dumps(previous, indent=2))
+    report("realtime", MEASURED)
 
 
 @pytest.fixture(autouse=True)
@@ -108,26 +98,15 @@ def idle_server(server: OpenAIServer) -> Iterator[None]:
     server.wait_idle(30, "server idle after the test")
 
 
-def measured(variant: str) -> dict[str, Any]:
-    found: dict[str, Any] = MEASURED.setdefault(variant, {})
-    return found
-
-
 def connections(server: OpenAIServer) -> float:
     """Sessions vLLM's handler is still in (its own metrics middleware counts them)."""
     return server.metrics().get("vllm:websocket_connections_active", 0.0)
 
 
-def cancel_lines(log: str) -> list[str]:
-    """What the middleware logged for each cancelled session: phase, reason, close code."""
-    return CANCEL_LINE.findall(log)
-
-
 def errors(log: str) -> list[str]:
     """The messages of the log's errors with a traceback (chained ones counted once)."""
-    lines = log.splitlines()
     found = []
-    for previous, line in itertools.pairwise(lines):
+    for previous, line in itertools.pairwise(log.splitlines()):
         message = previous.split("] ", 1)[-1].strip()  # without vLLM's prefix
         if line.endswith("Traceback (most recent call last):") and message:
             found.append(message)
@@ -162,14 +141,6 @@ def start_generation(websocket: WebSocket, seconds: int, *, final: bool) -> None
         websocket.send_text(event("input_audio_buffer.commit", final=True))
 
 
-def read_deltas(websocket: WebSocket, count: int) -> None:
-    received = 0
-    while received < count:
-        message = json.loads(websocket.read_text())
-        assert message["type"] == "transcription.delta", message
-        received += 1
-
-
 @dataclass
 class LeftSession(Left):
     """What the engine and vLLM's handler did after one client left its session."""
@@ -198,7 +169,9 @@ def leave(server: OpenAIServer, variant: str, moment: str, how: str) -> LeftSess
             time.sleep(0.3)
         else:
             start_generation(websocket, LONG_S, final=True)
-            read_deltas(websocket, CLOSE_AFTER)
+            for _ in range(CLOSE_AFTER):
+                message = json.loads(websocket.read_text())
+                assert message["type"] == "transcription.delta", message
         scraped_at, before = time.monotonic(), server.metrics()
         closed_at = websocket.leave(CLOSE_1000 if how == "close-frame" else RST)
     wait_for(lambda: server.running_waiting() == (0, 0), LEAVES_ENGINE_WITHIN, "engine idle")
@@ -209,7 +182,7 @@ def leave(server: OpenAIServer, variant: str, moment: str, how: str) -> LeftSess
         websocket.read_until_closed()
         websocket.close()
     if variant == "asgi-cancel":
-        wait_for(lambda: bool(cancel_lines(server.log_text()[mark:])), 2, "the cancel line")
+        wait_for(lambda: bool(CANCEL_LINE.findall(server.log_text()[mark:])), 2, "the cancel line")
     time.sleep(0.3)  # anything still generated shows up now
     after, log = server.metrics(), server.log_text()[mark:]  # what vLLM logged for the session
     return LeftSession(
@@ -222,18 +195,12 @@ def leave(server: OpenAIServer, variant: str, moment: str, how: str) -> LeftSess
         scrape_ms=round((closed_at - scraped_at) * 1000, 1),
         tokens_before_close=before["vllm:generation_tokens_total"]
         - start["vllm:generation_tokens_total"],
-        cancel_line=" | ".join(cancel_lines(log)),
+        cancel_line=" | ".join(CANCEL_LINE.findall(log)),
         errors_logged=errors(log),
     )
 
 
-CASES = [
-    ("handshake", "fin"),
-    ("setup", "close-frame"),
-    ("setup", "reset"),
-    ("mid", "close-frame"),
-    ("mid", "reset"),
-]
+CASES = [("handshake", "fin"), *itertools.product(("setup", "mid"), ("close-frame", "reset"))]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -260,7 +227,7 @@ def test_client_leaves_a_session(server: OpenAIServer, variant: str, moment: str
         else:
             assert run.cancel_line == "", run
         assert all(message.startswith(SEND_RACE) for message in run.errors_logged), run
-    measured(variant)[f"{moment}/{how}"] = summary(runs) | {
+    MEASURED[variant][f"{moment}/{how}"] = summary(runs) | {
         "runs_with_send_race_logged": sum(bool(run.errors_logged) for run in runs)
     }
 
@@ -280,7 +247,7 @@ def test_a_whole_session_generates_every_segment(server: OpenAIServer, variant: 
     assert message["usage"]["completion_tokens"] == tokens == LONG_S // SEGMENT_S * SEGMENT_TOKENS
     websocket.leave_politely(CLOSE_1000)
     websocket.close()
-    measured(variant)["whole session"] = {"tokens": tokens, "deltas": deltas}
+    MEASURED[variant]["whole session"] = {"tokens": tokens, "deltas": deltas}
 
 
 def test_server_logged_no_other_traceback(server: OpenAIServer) -> None:

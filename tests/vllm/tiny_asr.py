@@ -145,14 +145,7 @@ def _build(outdir: Path, seed: int) -> None:
     config_path.write_text(json.dumps(saved, indent=2))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        sys.stderr.write("usage: python -m tests.vllm.tiny_asr OUTDIR\n")
-        return 2
-    sys.stdout.write(f"{build_tiny_asr(args[0])}\n")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m tests.vllm.tiny_asr OUTDIR")
+    sys.stdout.write(f"{build_tiny_asr(sys.argv[1])}\n")

@@ -36,9 +36,6 @@ class _Twin(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ) -> importlib.machinery.ModuleSpec | None:
         return importlib.util.spec_from_loader(fullname, self) if fullname == REPLACED else None
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        return None  # the default module
-
     def exec_module(self, module: ModuleType) -> None:
         twin = importlib.import_module(TWIN)
         module.__dict__.update(
