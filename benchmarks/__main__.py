@@ -26,8 +26,6 @@ def main(argv: list[str] | None = None) -> None:
     group = parser.add_argument_group("serving (vLLM's benchmark and AIPerf; not part of `all`)")
     required = "fail unless vLLM, its benchmark and AIPerf all ran (CI's vLLM step)"
     group.add_argument("--require-tools", action="store_true", help=required)
-    no_install = "do not create AIPerf's venv when it is missing"
-    group.add_argument("--no-install", action="store_true", help=no_install)
     args = parser.parse_args(argv)
     if args.benchmark == "render":
         render.main(quick=args.quick)
@@ -37,8 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         module = BENCHMARKS[name]
         began, load_before = time.time(), loadavg()
-        options = {"install": not args.no_install} if name == "serving" else {}
-        figures = module.run(args.quick, **options)
+        figures = module.run(args.quick)
         data = record(name, args.quick, began, load_before) | figures
         emit(module.render(data))
         emit(f"results: {save(data)}")

@@ -15,7 +15,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-# fastapi-disconnect needs Python >= 3.12: its columns run in their own venv (see the docs).
 PY312 = Path(os.environ.get("BENCH_PY312", ROOT / ".venv-bench312" / "bin" / "python"))
 
 
@@ -67,10 +66,8 @@ def machine() -> dict[str, Any]:
 
 
 def results_dir(quick: bool) -> Path:
-    """Full runs: benchmarks/results/ (committed); --quick: results/tmp/ (git-ignored).
-    BENCH_RESULTS overrides both."""
-    override = os.environ.get("BENCH_RESULTS")
-    return Path(override) if override else RESULTS / "tmp" if quick else RESULTS
+    """Full runs: benchmarks/results/ (committed); --quick: results/tmp/ (git-ignored)."""
+    return RESULTS / "tmp" if quick else RESULTS
 
 
 def record(name: str, quick: bool, started: float, load_before: list[float]) -> dict[str, Any]:
@@ -120,8 +117,7 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def facts(data: dict[str, Any]) -> str:
-    """The lines under a benchmark's tables: what was left out, how they were made, and how
-    loaded the shared machine was."""
+    """The lines under a benchmark's tables: what was not run, the command, the machine's load."""
     skipped = "; ".join(f"{name}: {why}" for name, why in data["skipped"].items())
     skipped = f"Not run: {skipped}.\n\n" if skipped else ""
     before, after = (

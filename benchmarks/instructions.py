@@ -6,8 +6,6 @@ the middleware side by side. This (uncounted) process sends warm-up requests ove
 connection, `GET /__mark`, the requests, `GET /__mark`; the server calls `os.getppid()` at each
 mark, so callgrind's part 2 holds exactly those requests (plus a mark's worth in both columns).
 Counts do not depend on the machine's load: they compare across commits on a shared machine.
-
-Child side: `python -m benchmarks.instructions serve SERVER ROW WRAP PORT [WATCH_DELAY]`.
 """
 
 from __future__ import annotations
@@ -23,8 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ._process import HOST, SERVERS, Process, server
-from ._util import ROOT, emit, table, versions
+from example_app.launch import HOST
+
+from ._process import SERVERS, Process, server
+from ._util import emit, table, versions
 
 ROWS = {
     "hello": "hello world, never awaits",
@@ -88,8 +88,7 @@ def build_app(
 
 
 def wrapped(app: Any, wrap: str, watch_delay: float | None = None) -> Any:
-    """`app` as the column `wrap` runs it: bare, or in the middleware (with the option the
-    environment names)."""
+    """`app` bare, or in the middleware (with the option $BENCH_MIDDLEWARE_OPTION names)."""
     if wrap == "bare":
         return app
     import inspect
@@ -184,8 +183,7 @@ def _get(connection: http.client.HTTPConnection, path: str) -> None:
 
 
 def drive(port: int, requests: int, connections: int = 1) -> None:
-    """WARM_UP requests, a mark, `requests` requests over `connections` keep-alive connections
-    at once (a client thread each), a mark."""
+    """Warm-up, a mark, `requests` over `connections` keep-alive connections at once, a mark."""
     clients = [http.client.HTTPConnection(HOST, port, timeout=120) for _ in range(connections)]
     for _ in range(WARM_UP):
         _get(clients[0], "/")
@@ -215,14 +213,17 @@ def _callgrind(out: Path, python: str, option: str | None, *child: str) -> Proce
         return command + [str(port) if arg == "PORT" else arg for arg in child]
 
     env = {"PYTHONHASHSEED": "0", OPTION_ENV: option or ""}
-    return Process(argv, log=out.with_suffix(".log"), cwd=ROOT, env=env, timeout=300).spawn()
+    process = Process(argv, log=out.with_suffix(".log"), env=env, timeout=300)
+    process.spawn()
+    return process
 
 
 def _count(process: Process, requests: int) -> float:
     """Wait for a child's end; its instructions per request (callgrind's part 2)."""
-    if process.wait(600) != 0:
+    assert process.process is not None
+    if process.process.wait(600) != 0:
         raise RuntimeError(f"callgrind's child failed:\n{process.log_tail()}")
-    lines = process.log.with_suffix(".out.2").read_text(errors="replace").splitlines()
+    lines = process.log_path.with_suffix(".out.2").read_text(errors="replace").splitlines()
     totals = [line for line in lines if line.startswith(("totals:", "summary:"))]
     return int(totals[0].split()[1]) / requests
 
@@ -247,19 +248,16 @@ def run(
         folder = Path(name) if keep is None else keep
         folder.mkdir(parents=True, exist_ok=True)
         for row in rows:
-            started = {
-                wrap: _callgrind(folder / f"{row}-{wrap}.out", python, option, *child)
-                for wrap in WRAPS
-                for child in [
-                    ("serve", server_name, row, wrap, "PORT", *delay)
-                    if served
-                    else ("loop", row, wrap, str(requests))
-                ]
-            }
+            started: dict[str, Process] = {}
+            for wrap in WRAPS:
+                child = ("serve", server_name, row, wrap, "PORT", *delay)
+                if not served:
+                    child = ("loop", row, wrap, str(requests))
+                started[wrap] = _callgrind(folder / f"{row}-{wrap}.out", python, option, *child)
             try:
                 if served:  # both clients at once, as both servers run at once
                     for process in started.values():
-                        process.wait_ready()
+                        process.start()
                     with ThreadPoolExecutor(len(WRAPS)) as pool:
                         ports = [process.port for process in started.values()]
                         list(pool.map(lambda port: drive(port, requests, connections), ports))

@@ -151,11 +151,10 @@ def render(data: dict[str, Any]) -> str:
         for name in names:
             cell = data["servers"][name][variant]
             errors = f" ({cell['errors']} errors)" if cell["errors"] else ""
-            collections = cell.get("gc_per_1000")  # gen-0
             row.append(fmt(cell["rps"], 0) + errors)
             row.append(f"{fmt(cell['cpu_us_per_request'], 1)} {_ratio(cell, 'cpu')}")
             row.append(f"{fmt(cell['p99_ms'], 1)} {_ratio(cell, 'p99', spread=False)}")
-            row.append(fmt(collections[0], 1) if collections else "n/a")
+            row.append(fmt(cell["gc_per_1000"][0], 1))  # gen-0
         rows.append(row)
     columns = ("req/s", "CPU µs/req (ratio, range)", "p99 ms (ratio)", "gen-0 GCs/1k req")
     headers = ["variant", *(f"{name} {column}" for name in names for column in columns)]

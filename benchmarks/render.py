@@ -67,7 +67,7 @@ def machine_block(data: dict[str, Any]) -> str:
     return text
 
 
-def main(quick: bool = False) -> dict[str, str]:
+def main(quick: bool = False) -> None:
     folder = results_dir(quick)
     images = folder / "img" if quick else IMG
     blocks: dict[str, str] = {}
@@ -88,8 +88,7 @@ def main(quick: bool = False) -> dict[str, str]:
         text = "\n\n".join(f"## {name}\n\n{block}" for name, block in blocks.items())
         (folder / "tables.md").write_text(text + "\n")
         emit(f"render: {folder / 'tables.md'}, {images}")
-        return blocks
+        return
     for name, block in blocks.items():
         write_block(DOC, name, block)
     emit(f"render: tables -> {DOC}, plots -> {IMG}")
-    return blocks

@@ -1,8 +1,7 @@
 """Run one variant under a real server, and start such servers from the harness.
 
-Child side: `python -m benchmarks.serve SERVER VARIANT SCENARIO PORT [options]` (uvicorn with
-httptools and uvloop, hypercorn with asyncio and h11; no access logs). `--gc-file`: the child
-counts the collector's runs per generation from when it serves, and writes them there at exit.
+`--gc-file`: the child counts the collector's runs per generation from when it serves, and
+writes them there at exit.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 from ._process import Process, server
-from ._util import ROOT
 from .alternatives import VARIANTS, TokenGenerator, build, python
 
 SERVERS = ("uvicorn", "hypercorn")
@@ -37,9 +35,10 @@ def servers(
             for index, variant in enumerate(variants):
                 argv = _command(server, variant, scenario, options)
                 log = Path(logs) / f"{index}.log"
-                started[variant] = Process(argv, log=log, cwd=ROOT, timeout=60).spawn()
+                started[variant] = Process(argv, log=log)
+                started[variant].spawn()
             for process in started.values():
-                process.wait_ready()
+                process.start()
             yield started
         finally:
             for process in started.values():

@@ -26,7 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ._process import Process, answers
+from example_app.launch import answers
+
+from ._process import Process
 from ._util import ROOT, cpu_seconds, emit, facts, fmt, median, table
 
 VLLM_PYTHON = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
@@ -181,11 +183,9 @@ def aiperf_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in HF_OFFLINE_VARS}
 
 
-def aiperf_ready(install: bool) -> str | None:
+def aiperf_ready() -> str | None:
     """None when AIPerf runs; else why not (the exact error)."""
     if not AIPERF.exists():
-        if not install:
-            return f"{AIPERF} not installed (and installing was not allowed)"
         python = os.environ.get("VLLM_CI_PYTHON") or sys.executable
         pip = [str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
         for step in (
@@ -261,10 +261,8 @@ def one_aiperf(
     }
 
 
-def run_cancellation(
-    pair: dict[str, Process], settings: dict[str, Any], work: Path, install: bool
-) -> Any:
-    problem = aiperf_ready(install)
+def run_cancellation(pair: dict[str, Process], settings: dict[str, Any], work: Path) -> Any:
+    problem = aiperf_ready()
     if problem is not None:
         return {"status": f"AIPerf could not run: {problem}"}
     cells: dict[str, dict[str, list[Any]]] = {}
@@ -282,7 +280,7 @@ def run_cancellation(
 
 
 # -- the whole benchmark -----------------------------------------------------------------------
-def run(quick: bool, *, install: bool = True) -> dict[str, Any]:
+def run(quick: bool) -> dict[str, Any]:
     settings = QUICK if quick else FULL
     data: dict[str, Any] = {"settings": settings, "skipped": {}}
     missing = [str(path) for path in (VLLM_PYTHON, MODEL_DIR / "config.json") if not path.exists()]
@@ -290,27 +288,29 @@ def run(quick: bool, *, install: bool = True) -> dict[str, Any]:
         data["skipped"]["vLLM"] = f"{' and '.join(missing)} missing: run .ci/vllm.sh first"
     else:
         with tempfile.TemporaryDirectory(prefix="asgi-cancel-serving-") as scratch:
-            data |= run_tools(settings, Path(scratch), install)
+            data |= run_tools(settings, Path(scratch))
     return data
 
 
-def run_tools(settings: dict[str, Any], work: Path, install: bool) -> dict[str, Any]:
+def run_tools(settings: dict[str, Any], work: Path) -> dict[str, Any]:
     with engine_lock(), contextlib.ExitStack() as stack:
         pair: dict[str, Process] = {}
         for variant in VARIANTS:  # one start after the other: never two at once on 2 cores
             log, ready = work / f"{variant}.log", answers("/health")
             server = Process(vllm_argv(variant), log=log, ready=ready, env=VLLM_ENV, timeout=300)
-            pair[variant] = stack.enter_context(server)
+            stack.enter_context(server)
+            pair[variant] = server
         body = json.dumps({"model": "tiny-llama", "prompt": "warm up", "max_tokens": 8}).encode()
         for server in pair.values():  # vLLM's first requests are slower: lazy set-up
             url = f"http://127.0.0.1:{server.port}/v1/completions"
             request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
             urllib.request.urlopen(request, timeout=120).close()
         emit("serving: vllm bench serve ...")
-        data: dict[str, Any] = {"startup_s": {v: round(s.startup_s, 1) for v, s in pair.items()}}
+        startup = {variant: round(server.startup_seconds, 1) for variant, server in pair.items()}
+        data: dict[str, Any] = {"startup_s": startup}
         data["vllm_bench"] = run_vllm_bench(pair, settings, work)
         emit("serving: AIPerf's cancellation sweep ...")
-        data["cancellation"] = run_cancellation(pair, settings, work, install)
+        data["cancellation"] = run_cancellation(pair, settings, work)
     return data
 
 
@@ -353,12 +353,11 @@ CANCEL_FIGURES = [
 
 def _figure(run: dict[str, Any], key: str) -> float | None:
     if key == "server_cpu_ms":  # the API server process's, per completed request
-        cpu, completed = run.get("server_cpu_s"), run.get("completed")
-        return None if cpu is None or not completed else cpu * 1000 / completed
+        completed = run["completed"]
+        return float(run["server_cpu_s"]) * 1000 / completed if completed else None
     if key == "per_cancelled":  # the engine's tokens for the requests it aborted
-        if "aborted_tokens" not in run or not run["cancelled"]:
-            return None  # (a run recorded before the engine's counts were read)
-        return float(run["aborted_tokens"]) / float(run["cancelled"])
+        cancelled = run["cancelled"]
+        return float(run["aborted_tokens"]) / cancelled if cancelled else None
     value = run.get(key)
     return None if value is None else float(value)
 

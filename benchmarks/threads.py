@@ -96,11 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="300 tokens per generation")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--llama", type=Path, help="the llama.cpp tests' JSON, kept and shown")
-    parser.add_argument("--render", action="store_true", help="render results/, run nothing")
     args = parser.parse_args(argv)
     if args.llama:
         save({"benchmark": "llama_cpp", "quick": False, "rows": json.loads(args.llama.read_text())})
-    if args.llama or args.render:
         for name, render_table in (("threads", render), ("llama_cpp", render_llama)):
             if (found := load(name, results_dir(False))) is not None:
                 write(DOC, name, render_table(found))
