@@ -6,6 +6,8 @@ the middleware side by side. This (uncounted) process sends warm-up requests ove
 connection, `GET /__mark`, the requests, `GET /__mark`; the server calls `os.getppid()` at each
 mark, so callgrind's part 2 holds exactly those requests (plus a mark's worth in both columns).
 Counts do not depend on the machine's load: they compare across commits on a shared machine.
+
+Child side: `python -m benchmarks.instructions serve SERVER ROW WRAP PORT [WATCH_DELAY]`.
 """
 
 from __future__ import annotations
@@ -250,8 +252,9 @@ def run(
         for row in rows:
             started: dict[str, Process] = {}
             for wrap in WRAPS:
-                child = ("serve", server_name, row, wrap, "PORT", *delay)
-                if not served:
+                if served:
+                    child: tuple[str, ...] = ("serve", server_name, row, wrap, "PORT", *delay)
+                else:
                     child = ("loop", row, wrap, str(requests))
                 started[wrap] = _callgrind(folder / f"{row}-{wrap}.out", python, option, *child)
             try:

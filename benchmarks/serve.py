@@ -1,7 +1,8 @@
 """Run one variant under a real server, and start such servers from the harness.
 
-`--gc-file`: the child counts the collector's runs per generation from when it serves, and
-writes them there at exit.
+Child side: `python -m benchmarks.serve SERVER VARIANT SCENARIO PORT [options]` (uvicorn with
+httptools and uvloop, hypercorn with asyncio and h11; no access logs). `--gc-file`: the child
+counts the collector's runs per generation from when it serves, and writes them there at exit.
 """
 
 from __future__ import annotations
