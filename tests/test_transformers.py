@@ -428,11 +428,24 @@ def test_generation_error_ends_the_stream_with_it() -> None:
         whole.result(WATCHDOG)
 
 
+def test_reader_that_leaves_early_stops_the_generation() -> None:
+    """A `for` loop left with `break`: the reader is closed when the loop drops it, not by a
+    `close()` of the caller's."""
+    model = FakeModel()
+    generation = streamed(model, max_new_tokens=5000)
+    for count, _ in enumerate(generation, 1):
+        if count == 5:
+            break
+    assert model.ended.wait(WATCHDOG)
+    assert len(model.made) < 50
+    assert generation.stopped
+
+
 @pytest.mark.parametrize("where", ["worker-thread", "event-loop"])
 def test_closing_the_reader_in_an_event_loop_never_waits_for_the_thread(where: str) -> None:
     # Starlette's iterator wrapper, collected in the loop's thread after a disconnect, closes
     # the reader there: a join would stall the loop until the next token. A worker thread that
-    # closes it (or leaves a `for` loop over it) still waits for the generation, as documented.
+    # closes it still waits for the generation, as documented.
     model = FakeModel(step=0.5)
     generation = streamed(model, max_new_tokens=5000)
     reader = cast(Generator[str, None, None], iter(generation))
