@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -36,33 +38,44 @@ def samples(text: str) -> Samples:
 
 
 # -- under a real server ------------------------------------------------------------------------
-def stopped_before_response(port: int, target: str, header: tuple[str, str] | None = None) -> int:
-    """A request stopped before its response: its client leaves (no `header`), or it is
-    cancelled by its id, or past its deadline, while its client waits (`header` says which):
-    the status the client gets (0: it left)."""
+def leave_before_response(port: int, target: str) -> None:
     with wire.connect(port) as sock:
-        wire.send_request(sock, "GET", target, headers=(header,) if header else ())
-        if header is None or header[0] == "X-Request-Id":
-            time.sleep(0.3)  # the app is sleeping in its endpoint
-        if header is None:
-            wire.close(sock, wire.RST)
-            return 0
+        wire.send_request(sock, "GET", target)
+        time.sleep(0.3)  # the app is sleeping in its endpoint
+        wire.close(sock, wire.RST)
+
+
+def read_until(sock: socket.socket, body: bytes, end: Callable[[bytes], bool]) -> bytes:
+    while not end(body):
+        body += wire.recv_some(sock)
+    return body
+
+
+def leave_mid_stream(port: int, target: str) -> None:
+    with wire.connect(port) as sock:
+        wire.send_request(sock, "GET", target)
+        read_until(sock, wire.read_head(sock)[2], lambda body: wire.CHUNK_MARKER in body)
+        wire.close(sock, wire.RST)
+
+
+def stopped_before_response(port: int, target: str, header: tuple[str, str]) -> int:
+    """A request cancelled by its id, or past its deadline, while its client waits: the
+    status the client gets."""
+    with wire.connect(port) as sock:
+        wire.send_request(sock, "GET", target, headers=(header,))
         if header[0] == "X-Request-Id":
+            time.sleep(0.3)  # the app is sleeping in its endpoint
             assert cancel_by_id(port, header[1]) == 200
         return wire.read_response(sock).status
 
 
-def stopped_mid_stream(port: int, target: str, header: tuple[str, str] | None = None) -> int:
-    """The same once the first chunk is read; if the client stays, the server closes the
-    connection under the stream (no final chunk, a visible cut). The status the client got."""
+def stopped_mid_stream(port: int, target: str, header: tuple[str, str]) -> int:
+    """The same mid-stream: the server closes the connection under the stream (no final
+    chunk, a visible cut); the status the client got."""
     with wire.connect(port) as sock:
-        wire.send_request(sock, "GET", target, headers=(header,) if header else ())
+        wire.send_request(sock, "GET", target, headers=(header,))
         status, _, body = wire.read_head(sock)
-        while wire.CHUNK_MARKER not in body:
-            body += wire.recv_some(sock)
-        if header is None:
-            wire.close(sock, wire.RST)
-            return status
+        body = read_until(sock, body, lambda body: wire.CHUNK_MARKER in body)
         if header[0] == "X-Request-Id":
             assert cancel_by_id(port, header[1]) == 200
         body += wire.read_to_eof(sock)
@@ -106,9 +119,9 @@ def test_real_cancellations_counted_once_by_reason_route_template_and_phase(
     with running_server(spec, "servers.apps:metrics", tmp_path) as server:
         port = server.port
         for item_id in (1, 2, 3):
-            assert stopped_before_response(port, f"/items/{item_id}") == 0
+            leave_before_response(port, f"/items/{item_id}")
         for name in ("a", "b"):
-            assert stopped_mid_stream(port, f"/stream/{name}") == 200
+            leave_mid_stream(port, f"/stream/{name}")
         assert wire.get(port, "/payments/7").body == b"slow done"  # excluded: not counted
         run = wire.new_id()
         by_id, timed = ("X-Request-Id", f"{run}-i"), ("X-Request-Timeout", "300ms")
